@@ -1,0 +1,112 @@
+"""The torch reference attention backend: PagedAttention in plain PyTorch.
+
+It is written to be read, not to be fast. New K/V are first written into the paged cache at
+their slots (`reshape_and_cache`); then each request's queries attend to its whole context,
+gathered from the cache through its block table. Decode requests (one query each) are handled
+together in one padded call; prefills and prompt chunks one request at a time, with a causal
+mask shifted by the context already in the cache. Works for any block size, GQA, and a batch
+that mixes new prompts, continued chunks and decodes. Chapter 04 (PagedAttention) and
+chapter 06 (attention backends) explain it; the Triton backend must match it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.attention.metadata import AttentionMetadata
+
+
+# --8<-- [start:reshape-and-cache]
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into kv_cache at slot_mapping.
+
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; viewed as
+    [2, num_slots, ...], slot s is block s // block_size, offset s % block_size.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+# --8<-- [end:reshape-and-cache]
+
+
+# --8<-- [start:gather-kv]
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len tokens of K and V of one request: [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_ids[:num_blocks].long()
+    key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return key, value
+# --8<-- [end:gather-kv]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    # --8<-- [start:torch-attention-forward]
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens = meta.num_actual_tokens
+        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, meta.slot_mapping)
+        output = torch.empty_like(query)
+        if meta.num_decodes > 0:
+            output[: meta.num_decodes] = self._decode(query[: meta.num_decodes], kv_cache, meta, scale)
+        for i in range(meta.num_decodes, meta.num_reqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            output[start:end] = self._prefill(query[start:end], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+        return output
+    # --8<-- [end:torch-attention-forward]
+
+    # --8<-- [start:torch-prefill]
+    @staticmethod
+    def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        """One request's query_len new tokens attend to its seq_len tokens of context."""
+        key, value = gather_kv(kv_cache, block_ids, seq_len)
+        query_len = query.shape[0]
+        # Query token j sits at position seq_len - query_len + j and sees keys up to there.
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+    # --8<-- [end:torch-prefill]
+
+    # --8<-- [start:torch-decode]
+    @staticmethod
+    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """All decode requests at once: gather each context, pad to the longest, mask the pad."""
+        n = meta.num_decodes
+        block_size = kv_cache.shape[2]
+        seq_lens = meta.seq_lens[:n]
+        max_len = max(meta.seq_lens_cpu[:n])
+        blocks = meta.block_tables[:n, : -(-max_len // block_size)].long()  # [n, nb]
+        key = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]  # [n, max_len, kv_heads, dim]
+        value = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
+        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [n, max_len]
+        out = F.scaled_dot_product_attention(
+            query[:, :, None, :],  # [n, heads, 1, dim]
+            key.transpose(1, 2), value.transpose(1, 2),  # [n, kv_heads, max_len, dim]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )
+        return out[:, :, 0, :]
+    # --8<-- [end:torch-decode]
+
+
+def get_attention_backend(name: str):
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

@@ -1,0 +1,1 @@
+"""Distributed execution (chapter 10)."""

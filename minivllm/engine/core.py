@@ -1,0 +1,64 @@
+"""`EngineCore`: the scheduler and the executor, stepped together.
+
+`step()` is the heartbeat of the engine: schedule → execute the model → update requests from
+what was sampled. In the offline engine the core runs in the caller's process; chapter 02
+moves it into a process of its own, behind the same methods.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from minivllm.config import EngineConfig
+from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest
+from minivllm.executor.uniproc_executor import UniProcExecutor
+from minivllm.kv_cache.manager import KVCacheManager, cdiv
+from minivllm.request import RequestStatus
+from minivllm.scheduler.output import SchedulerOutput
+from minivllm.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("minivllm")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        num_blocks = self.executor.determine_num_available_blocks()
+        block_size = config.cache_config.block_size
+        max_model_len = config.model_config.max_model_len
+        if num_blocks < cdiv(max_model_len, block_size):
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than one request "
+                f"of max_model_len={max_model_len} needs ({cdiv(max_model_len, block_size)}). "
+                "Lower max_model_len, or give the cache more memory."
+            )
+        config.cache_config.num_gpu_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, KVCacheManager(num_blocks, block_size))
+        # Statistics for `minivllm run` and, later, the metrics endpoint.
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self.num_steps = 0
+        self.peak_num_blocks_used = 0
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # --8<-- [start:step]
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        self.last_scheduler_output = scheduler_output
+        self.num_steps += 1
+        manager = self.scheduler.kv_cache_manager
+        self.peak_num_blocks_used = max(self.peak_num_blocks_used, manager.block_pool.num_blocks - manager.num_free_blocks)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+    # --8<-- [end:step]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,105 @@
+"""`LLMEngine`: the offline engine — front end (processor, output processor) + engine core.
+
+`add_request` validates and tokenizes, `step` runs one engine-core step and turns its outputs
+into `RequestOutput`s. `LLM` drives it in a loop; chapter 02 puts the core in another
+process and drives it from `AsyncLLM` instead. Chapter 01 traces one request through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.core import EngineCore
+from minivllm.engine.output_processor import OutputProcessor, ParentRequest
+from minivllm.engine.processor import Processor, PromptType
+from minivllm.engine.types import EngineCoreRequest
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    if config.model_config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(config.model_config.tokenizer)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"cannot load a tokenizer from {config.model_config.tokenizer!r} ({err}); "
+            "pass tokenizer=... or skip_tokenizer_init=True with token-id prompts"
+        ) from err
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.processor = Processor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # --8<-- [start:add-request]
+    def prepare_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]]:
+        """Validate and tokenize; a request with n > 1 becomes n child requests (vLLM's fan-out).
+
+        Raises ValueError on bad input, having changed nothing.
+        """
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        if request.sampling_params.n == 1:
+            return [(request, prompt_text, None, 0)]
+        parent = ParentRequest(request_id, request.sampling_params.n)
+        children = []
+        for index in range(parent.n):
+            child_params = request.sampling_params.clone()
+            child_params.n = 1
+            if child_params.seed is not None:
+                child_params.seed += index  # distinct but reproducible samples, as vLLM does
+            child = EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids, child_params, request.arrival_time)
+            children.append((child, prompt_text, parent, index))
+        return children
+
+    def add_prepared(self, prepared: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]]) -> None:
+        for request, prompt_text, parent, index in prepared:
+            self.output_processor.add_request(request, prompt_text, parent, index)
+            self.engine_core.add_request(request)
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+    # --8<-- [end:add-request]
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    # --8<-- [start:engine-step]
+    def step(self) -> list[RequestOutput]:
+        engine_core_outputs = self.engine_core.step()
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(engine_core_outputs)
+        # Stop strings are found here, in the front end; tell the core to stop those requests.
+        self.engine_core.abort_requests(reqs_to_abort)
+        return request_outputs
+    # --8<-- [end:engine-step]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine_core.scheduler.get_num_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("the tokenizer was not loaded (skip_tokenizer_init=True)")
+        return self.tokenizer

@@ -1,0 +1,41 @@
+"""The forward context: per-step data that every attention layer needs, set in one place.
+
+The model's `forward(input_ids, positions)` looks like any transformer's. But attention also
+needs the step's batch layout (where each request's tokens start, its block table, the slot
+of every new token). Threading that through every layer's signature would clutter the model
+code, so, as vLLM does, the model runner sets it here for the duration of one forward pass
+and the attention layers read it. This is minivllm's only global mutable state (chapter 06).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from minivllm.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None  # None during a dummy (profiling) run
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[None]:
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata)
+    try:
+        yield
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("attention ran outside set_forward_context(): the model runner sets it")
+    return _forward_context

@@ -1,0 +1,1 @@
+"""Models, their layers, and weight loading (chapter 06)."""

@@ -1,0 +1,42 @@
+"""The attention layer the models use: q, k, v in; attention over the paged cache out.
+
+The layer itself is thin. The model runner binds each layer to its slice of the KV cache
+(`kv_cache`) and to the chosen backend (`impl`) at start-up; every forward pass reads the
+step's `AttentionMetadata` from the forward context. During the dummy run that sizes memory
+there is no cache yet, and the layer does plain causal attention over the batch.
+Chapter 06 (attention backends).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.impl = None  # the attention backend, bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        meta = get_forward_context().attn_metadata
+        if meta is None:  # dummy run: one causal sequence, nothing cached
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=True,
+            ).transpose(0, 1)
+        else:
+            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

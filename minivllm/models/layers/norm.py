@@ -1,0 +1,34 @@
+"""RMSNorm, optionally fused with the residual add that precedes it (chapter 06).
+
+`RMSNorm(x) = x / sqrt(mean(x²) + eps) * weight`, computed in float32 for stability. In a
+pre-norm transformer every norm follows `residual = x + residual`; doing both in one function
+lets a fused kernel read x and residual once (the Triton version does exactly that).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    orig_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x * weight.float()).to(orig_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        # The sum is kept in the model's dtype, as HF does, so results match it bit for bit.
+        residual = x + residual
+        return rms_norm(residual, self.weight, self.eps), residual

@@ -1,0 +1,63 @@
+"""What one scheduling step decided (`SchedulerOutput`) and what the model made of it.
+
+The scheduler sends the model runner *differences*, as vLLM v1 does: a request's prompt and
+sampling parameters travel once, when it is first scheduled (`NewRequestData`); after that only
+its new block ids and progress do (`CachedRequestData`). The model runner keeps its own copy
+of each request's tokens. Chapter 03 explains the diff; chapter 05 the runner's side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    # True when the request was preempted and is scheduled again: its block table is rebuilt
+    # from `new_block_ids` instead of extended by them.
+    resumed_from_preemption: bool
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+# --8<-- [start:scheduler-output]
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+# --8<-- [end:scheduler-output]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request: the tokens sampled (none for a prompt chunk that is not the last)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Only when some request asked for logprobs: rows aligned with req_ids, column 0 the sampled
+    # token, then the top-N by logprob; ranks of the sampled tokens.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_token_ranks: torch.Tensor | None = None
