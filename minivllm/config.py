@@ -41,8 +41,13 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
+    load_format: str = "auto"  # "auto" | "dummy" (random weights of the right shapes)
     # generation_config.json's eos ids; the engine stops on any of them unless ignore_eos.
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
     @property
     def architecture(self) -> str:
@@ -115,6 +120,7 @@ class SchedulerConfig:
 # --8<-- [end:scheduler-config]
 
 
+# --8<-- [start:parallel-config]
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -125,8 +131,10 @@ class ParallelConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (only 1); "
                 "see chapter 10 (distributed)."
             )
+# --8<-- [end:parallel-config]
 
 
+# --8<-- [start:device-config]
 @dataclass
 class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
@@ -142,6 +150,7 @@ class DeviceConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+# --8<-- [end:device-config]
 
 
 # --8<-- [start:engine-config]

@@ -86,12 +86,12 @@ def _print_trace_step(engine) -> None:
         request = core.scheduler.requests.get(req_id)
         start = computed_before[req_id]
         if request is None:
-            work = "finished"
+            work = "decode, finished"
         elif start + num_tokens <= request.num_prompt_tokens:
             work = f"prefill {start}:{start + num_tokens} of {request.num_prompt_tokens}"
-        elif num_tokens == 1:
-            work = f"decode (token {request.num_output_tokens})"
-        else:
+        elif num_tokens == 1 and start >= request.num_prompt_tokens:
+            work = "decode"
+        else:  # resumed after preemption: prompt and earlier output tokens in one pass
             work = f"recompute {start}:{start + num_tokens}"
         blocks = len(manager.get_block_ids(req_id))
         print(f"{core.num_steps:>4}  {req_id:>7}  {work:<24} {num_tokens:>6}  {blocks:>6}")

@@ -34,6 +34,7 @@ class EngineArgs:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random (benchmarks)
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -70,6 +71,7 @@ class EngineArgs:
             seed=self.seed,
             tokenizer=self.tokenizer or str(model_dir),
             skip_tokenizer_init=self.skip_tokenizer_init,
+            load_format=self.load_format,
             eos_token_ids=read_eos_token_ids(model_dir, hf_config),
         )
         return EngineConfig(

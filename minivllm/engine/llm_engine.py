@@ -8,6 +8,7 @@ process and drives it from `AsyncLLM` instead. Chapter 01 traces one request thr
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -36,6 +37,16 @@ def load_tokenizer(config: EngineConfig) -> Any | None:
         ) from err
 
 
+@dataclass
+class PreparedRequest:
+    """A validated user request: one engine-core request, or n children when n > 1."""
+
+    request_id: str  # the id the user sees in RequestOutput
+    prompt: str | None
+    core_requests: list[EngineCoreRequest]
+    parent: ParentRequest | None = None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -51,14 +62,14 @@ class LLMEngine:
     # --8<-- [start:add-request]
     def prepare_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
-    ) -> list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]]:
+    ) -> PreparedRequest:
         """Validate and tokenize; a request with n > 1 becomes n child requests (vLLM's fan-out).
 
         Raises ValueError on bad input, having changed nothing.
         """
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
         if request.sampling_params.n == 1:
-            return [(request, prompt_text, None, 0)]
+            return PreparedRequest(request_id, prompt_text, [request])
         parent = ParentRequest(request_id, request.sampling_params.n)
         children = []
         for index in range(parent.n):
@@ -66,13 +77,14 @@ class LLMEngine:
             child_params.n = 1
             if child_params.seed is not None:
                 child_params.seed += index  # distinct but reproducible samples, as vLLM does
-            child = EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids, child_params, request.arrival_time)
-            children.append((child, prompt_text, parent, index))
-        return children
+            children.append(
+                EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids, child_params, request.arrival_time)
+            )
+        return PreparedRequest(request_id, prompt_text, children, parent)
 
-    def add_prepared(self, prepared: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]]) -> None:
-        for request, prompt_text, parent, index in prepared:
-            self.output_processor.add_request(request, prompt_text, parent, index)
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        for index, request in enumerate(prepared.core_requests):
+            self.output_processor.add_request(request, prepared.prompt, prepared.parent, index)
             self.engine_core.add_request(request)
 
     def add_request(

@@ -55,12 +55,9 @@ class LLM:
             engine.prepare_request(str(next(self._request_counter)), prompt, params)
             for prompt, params in zip(prompts, params_list)
         ]
-        request_ids = []
         for request in prepared:
             engine.add_prepared(request)
-            parent = request[0][2]
-            request_ids.append(parent.request_id if parent is not None else request[0][0].request_id)
-        return self._run_engine(request_ids, use_tqdm, on_step)
+        return self._run_engine([r.request_id for r in prepared], use_tqdm, on_step)
     # --8<-- [end:generate]
 
     def chat(

@@ -36,8 +36,18 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model_cls = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_cls(model_config.hf_config)
-    load_weights(model, iterate_safetensors(Path(model_config.model)))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        load_weights(model, iterate_safetensors(Path(model_config.model)))
     return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Random weights of the right shapes, for speed measurements (vLLM's load_format="dummy")."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        param.data.uniform_(low, high, generator=generator)
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,8 +6,8 @@ all requests share one token budget (`max_num_batched_tokens`) and a cap on requ
 (`max_num_seqs`). Running requests are served first (decodes, or the next chunk of a long
 prompt), then waiting ones in arrival order. When the KV cache runs out of blocks the most
 recently admitted running request is preempted: its blocks are freed and it goes back to the
-front of the queue, to be recomputed later (its generated tokens are kept, so its output is
-unchanged). Chapter 03 walks through `schedule()` line by line.
+front of the queue. When it runs again, its prompt and the tokens it already generated are
+recomputed in one prefill, and it continues exactly where it stopped. Chapter 03 walks through `schedule()` line by line.
 """
 
 from __future__ import annotations
