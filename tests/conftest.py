@@ -10,6 +10,10 @@ import pytest
 # Tests never download: every model is local (the demo package, or made by the test).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The parity tests run minivllm on this device (float32) against transformers on the CPU.
+# CI uses the CPU; on a GPU machine run them again with MINIVLLM_TEST_DEVICE=cuda.
+TEST_DEVICE = os.environ.get("MINIVLLM_TEST_DEVICE", "cpu")
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
@@ -33,4 +37,4 @@ def demo_llm(demo_model_dir):
     """One engine on the demo model, shared by the tests that only need *a* real model."""
     from minivllm import LLM
 
-    return LLM(str(demo_model_dir), max_model_len=1024, cpu_kv_cache_gb=0.25)
+    return LLM(str(demo_model_dir), max_model_len=1024, num_gpu_blocks_override=256, device=TEST_DEVICE, dtype="float32")

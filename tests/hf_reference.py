@@ -66,7 +66,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, num_lo
     runs = []
     for prompt in prompts:
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
             output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
         )
         token_ids = out.sequences[0, len(prompt):].tolist()

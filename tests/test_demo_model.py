@@ -31,8 +31,11 @@ def test_demo_greedy_answers_equal_transformers(demo_llm, demo_model_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outputs):
         ids = torch.tensor([out.prompt_token_ids])
-        ref = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                          eos_token_id=None, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        # An explicit attention mask: the chat prompt contains <|im_end|>, which is also the pad
+        # token, and generate() would otherwise mask those prompt tokens out as padding.
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                          min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == ref, (
             f"{prompt!r}: minivllm {tokenizer.decode(out.outputs[0].token_ids)!r} != HF {tokenizer.decode(ref)!r}"
         )

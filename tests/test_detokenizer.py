@@ -21,10 +21,12 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strin
 # Pieces of multilingual text; several are surely missing from both vocabularies (龍, 🦀, the
 # ZWJ family, the rainbow flag), so they are spelled as one token per UTF-8 byte.
 FRAGMENTS = [
-    "hello", " world", "The", " cat", ",", ".", "!", "?", "42", "café", " naïve", "über",
-    "e\u0301", "straße", "Ωmega", "你好", "世界", "模型", "龍", "こんにちは", "カタカナ", "日本語",
-    "😀", "🦀", "👍🏽", "👨\u200d👩\u200d👧", "🏳️\u200d🌈", " ", "  ", "\n", "\n\n", "\t",
-]
+    "hello", " world", "The", " cat", ",", ".", "!", "?", "42",  # ASCII
+    "café", " naïve", "über", "e\u0301", "straße", "Ωmega",  # Latin accents (one combining)
+    "你好", "世界", "模型", "龍", "こんにちは", "カタカナ", "日本語",  # Chinese, Japanese
+    "😀", "🦀", "👍🏽", "👨\u200d👩\u200d👧", "🏳️\u200d🌈",  # emoji, skin tone, ZWJ sequences
+    " ", "  ", "\n", "\n\n", "\t",
+]  # fmt: skip
 CHARS = sorted(set("".join(FRAGMENTS)))
 texts = st.one_of(
     st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join),
@@ -53,19 +55,20 @@ def sentencepiece_tokenizer():
     2 checkpoints load) is built from the trained vocab and merges directly, which avoids
     transformers' protobuf-based .model converter.
     """
-    spm = pytest.importorskip("sentencepiece", reason="test dependency: pip install sentencepiece")
+    spm = pytest.importorskip("sentencepiece", reason="a test dependency: pip install it")
     from transformers import LlamaTokenizer
     from transformers.tokenization_utils_base import generate_merges
 
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "mat", "hello", "world", "café", "über", "你好", "世界",
-             "中文", "こんにちは", "カタカナ", "😀", "\n"]  # fmt: skip
+    words = ["the", "cat", "sat", "on", "mat", "hello", "world", "café", "über",
+             "你好", "世界", "中文", "こんにちは", "カタカナ", "😀", "\n"]  # fmt: skip
     lines = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(300)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=400, model_type="bpe",
-        byte_fallback=True, character_coverage=0.99, hard_vocab_limit=False, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, minloglevel=2,
+        byte_fallback=True, character_coverage=0.99, hard_vocab_limit=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,  # keep text as is
+        unk_id=0, bos_id=1, eos_id=2, minloglevel=2,
     )  # fmt: skip
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
@@ -164,6 +167,22 @@ def test_sentencepiece_first_token_keeps_its_leading_space_after_a_prompt(
     assert "".join(detokenize(tok, [], ids, [1] * len(ids))) == "hello", (
         "with no prompt there is nothing before the word, so no space"
     )
+
+
+def test_a_prompt_ending_in_byte_tokens_does_not_corrupt_the_first_character(
+    sentencepiece_tokenizer,
+):
+    """SentencePiece's byte fallback turns a whole run of byte tokens into "\ufffd"s if the run
+    starts mid-character; the first window must therefore start on a character boundary."""
+    tok = sentencepiece_tokenizer
+    prompt_ids = encode(tok, "龍龍")
+    full = encode(tok, "龍龍🦀")
+    ids = full[len(prompt_ids) :]
+    assert full[: len(prompt_ids)] == prompt_ids, "premise: the prompt's ids are a prefix"
+    assert tok.decode(prompt_ids[-5:]).startswith("\ufffd"), (
+        "premise: a window of the prompt's last 5 tokens starts inside a character"
+    )
+    assert "".join(detokenize(tok, prompt_ids, ids, [1] * len(ids))) == "🦀"
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])

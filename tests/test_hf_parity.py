@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from conftest import TEST_DEVICE
 from hf_reference import TINY_CONFIGS, GreedyRun, check_logprobs_close, hf_greedy, make_tiny_model
 from minivllm import LLM, SamplingParams
 
@@ -36,7 +37,7 @@ def tiny_model(request, tmp_path_factory):
 
 
 def run_minivllm(folder, prompts, **engine_args) -> tuple[list[GreedyRun], LLM]:
-    llm = LLM(str(folder), skip_tokenizer_init=True, **engine_args)
+    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     runs = []
@@ -61,7 +62,7 @@ def assert_matches_hf(hf_runs: list[GreedyRun], runs: list[GreedyRun]) -> None:
 
 def test_greedy_matches_hf(tiny_model):
     arch, folder, prompts, hf_runs = tiny_model
-    runs, _ = run_minivllm(folder, prompts, block_size=16)
+    runs, _ = run_minivllm(folder, prompts, block_size=16, num_gpu_blocks_override=256)
     assert_matches_hf(hf_runs, runs)
 
 
@@ -78,7 +79,7 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model):
             if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 steps_with_partial_prefill.append(req_id)
 
-    llm = LLM(str(folder), skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=40,
+    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", block_size=4, num_gpu_blocks_override=40,
               max_num_batched_tokens=16, max_model_len=160)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, on_step=spy)

@@ -25,8 +25,10 @@ logit_values = st.one_of(st.integers(-6, 6).map(float), st.floats(-8, 8))  # int
 
 
 def rows(min_vocab: int = 2, max_vocab: int = 12, max_rows: int = 4):
+    """B rows of V logits each (V and B drawn too)."""
+    row = lambda v: st.lists(logit_values, min_size=v, max_size=v)  # noqa: E731
     return st.integers(min_vocab, max_vocab).flatmap(
-        lambda v: st.lists(st.lists(logit_values, min_size=v, max_size=v), min_size=1, max_size=max_rows)
+        lambda v: st.lists(row(v), min_size=1, max_size=max_rows)
     )
 
 
@@ -83,7 +85,9 @@ def ref_penalties(x, prompt, output, repetition, presence, frequency) -> np.ndar
     return x
 
 
-def ref_distribution(logits, params: SamplingParams, prompt=(), output=()) -> tuple[np.ndarray, bool]:
+def ref_distribution(
+    logits: list[float], params: SamplingParams, prompt=(), output=()
+) -> tuple[np.ndarray, bool]:
     """The probability of each token for one row, and whether a cut was too close to call."""
     x = np.array(logits, dtype=np.float64)
     if len(output) < params.min_tokens:
@@ -153,7 +157,10 @@ def test_penalties_follow_the_hf_and_openai_formulas(logits, data):
     freq = data.draw(st.lists(st.floats(-2.0, 2.0), min_size=n, max_size=n))
     got = apply_penalties(torch.tensor(logits), prompts, outputs, torch.tensor(rep),
                           torch.tensor(pres), torch.tensor(freq))  # fmt: skip
-    want = [ref_penalties(np.array(x), *args) for x, *args in zip(logits, prompts, outputs, rep, pres, freq)]
+    want = [
+        ref_penalties(np.array(x), *row_args)
+        for x, *row_args in zip(logits, prompts, outputs, rep, pres, freq)
+    ]
     # float32 arithmetic on values below ~40 in magnitude: errors stay under 1e-4.
     np.testing.assert_allclose(got.numpy(), np.array(want), atol=1e-4, err_msg="penalized logits")
 
@@ -165,10 +172,10 @@ def test_min_tokens_blocks_stop_tokens_until_enough_tokens_were_generated():
     params = [SamplingParams(temperature=t, min_tokens=2) for t in (0.0, 0.0, 1.0, 1.0)]
     for p in params:
         p.all_stop_token_ids = {eos}
-    outputs = [[7], [7, 7], [7], [7, 7]]  # rows 0 and 2 still owe a token
+    outputs = [[0], [0, 0], [0], [0, 0]]  # rows 0 and 2 still owe a token
     sampled = Sampler()(logits, metadata(params, outputs=outputs)).sampled_token_ids.tolist()
     assert sampled[0] != eos and sampled[2] != eos, f"eos sampled before min_tokens: {sampled}"
-    assert sampled[1] == eos and sampled[3] == eos, f"eos must be allowed after min_tokens: {sampled}"
+    assert sampled[1] == eos and sampled[3] == eos, f"eos allowed after min_tokens: {sampled}"
 
 
 # -- the sampler end to end -----------------------------------------------------------------
@@ -190,7 +197,8 @@ random_params = st.builds(
 def test_every_sampled_token_is_allowed_and_greedy_rows_take_the_argmax(logits, data):
     n, vocab = len(logits), len(logits[0])
     params = data.draw(st.lists(random_params, min_size=n, max_size=n))
-    outputs = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=4), min_size=n, max_size=n))
+    output = st.lists(st.integers(0, vocab - 1), max_size=4)
+    outputs = data.draw(st.lists(output, min_size=n, max_size=n))
     refs = [ref_distribution(row, p, output=o) for row, p, o in zip(logits, params, outputs)]
     assume(not any(near for _, near in refs))
     sampled = Sampler()(torch.tensor(logits), metadata(params, outputs=outputs)).sampled_token_ids
@@ -240,7 +248,8 @@ def _run_seeded(position: int, batch_size: int, steps_logits: torch.Tensor, seed
     tokens = []
     for logits in steps_logits:
         batch = logits.expand(batch_size, -1)
-        tokens.append(Sampler()(batch, metadata(params, generators=gens)).sampled_token_ids[position].item())
+        out = Sampler()(batch, metadata(params, generators=gens))
+        tokens.append(out.sampled_token_ids[position].item())
     return tokens
 
 
@@ -251,7 +260,7 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch(position, b
     assert _run_seeded(position, batch_size, steps_logits) == alone, (
         "a seeded row must draw its noise only from its own generator"
     )
-    # With 50 near-uniform tokens over 12 steps, two seeds agreeing would be a ~1e-20 event.
+    # 50 tokens with standard-normal logits: two seeds agreeing on 12 draws is a < 1e-10 event.
     assert _run_seeded(0, 1, steps_logits, seed=4321) != alone, "the seed must matter"
 
 
@@ -270,11 +279,13 @@ def test_logprobs_and_ranks_come_from_the_raw_logits(logits, data):
     assert torch.equal(raw, torch.tensor(logits)), "the sampler must not modify its input"
     want = torch.log_softmax(raw.double(), dim=-1)  # raw: no penalties, no temperature
     num = max(p.logprobs for p in params)
-    assert out.logprobs.shape == (n, num + 1) and torch.equal(out.logprob_token_ids[:, 0], out.sampled_token_ids)
+    assert out.logprobs.shape == (n, num + 1), "columns: the sampled token, then the top-N"
+    assert torch.equal(out.logprob_token_ids[:, 0], out.sampled_token_ids)
     # log_softmax in float32 of logits below 10 in magnitude: error ~1e-6, allow 1e-5.
     got_lp = out.logprobs.double()
     assert torch.allclose(got_lp, want.gather(1, out.logprob_token_ids), atol=1e-5)
-    assert torch.allclose(got_lp[:, 1:], want.topk(num, dim=-1).values, atol=1e-5), "top-N, best first"
+    top = want.topk(num, dim=-1).values
+    assert torch.allclose(got_lp[:, 1:], top, atol=1e-5), "top-N by raw logprob, best first"
     for row, token in enumerate(out.sampled_token_ids.tolist()):
         gaps = (raw[row] - raw[row, token]).abs()
         assume(not torch.any((gaps > 0) & (gaps < 1e-4)))  # float32 could round these to a tie
@@ -283,11 +294,16 @@ def test_logprobs_and_ranks_come_from_the_raw_logits(logits, data):
 
 
 def test_logprobs_dict_lists_the_sampled_token_first_and_each_token_once():
-    ids, lps = [5, 2, 5, 9], [-1.5, -0.1, -1.5, -2.0]  # sampled 5 is also the 2nd best
-    result = make_logprobs_dicts(ids, lps, sampled_rank=2, num_logprobs=3, decode=lambda t: f"<{t}>")
+    # The sampled token 5 ties with token 2 for the best logprob: its rank is 1 (no token is
+    # strictly better), although topk happened to list it second.
+    ids, lps = [5, 2, 5, 9], [-0.5, -0.5, -0.5, -2.0]
+    result = make_logprobs_dicts(ids, lps, 1, num_logprobs=3, decode=lambda t: f"<{t}>")
     assert list(result) == [5, 2, 9], "sampled first, then the top tokens, no duplicates"
-    assert [(v.rank, v.decoded_token) for v in result.values()] == [(2, "<5>"), (1, "<2>"), (3, "<9>")]
-    only_top_one = make_logprobs_dicts(ids, lps, sampled_rank=2, num_logprobs=1, decode=None)
+    got = [(v.rank, v.decoded_token) for v in result.values()]
+    assert got == [(1, "<5>"), (1, "<2>"), (3, "<9>")], (
+        "the sampled entry keeps its own rank; top tokens are ranked by position"
+    )
+    only_top_one = make_logprobs_dicts(ids, lps, sampled_rank=1, num_logprobs=1, decode=None)
     assert list(only_top_one) == [5, 2] and only_top_one[5].decoded_token is None
 
 
