@@ -146,6 +146,8 @@ class DeviceConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} was asked for but torch sees no CUDA device")
+        if self.device == "cuda":  # pin the index: memory queries and set_device need one
+            self.device = f"cuda:{torch.cuda.current_device()}"
 
     @property
     def torch_device(self) -> torch.device:
