@@ -69,23 +69,24 @@ def test_greedy_matches_hf(tiny_model):
 def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model):
     arch, folder, prompts, hf_runs = tiny_model
     # 16 tokens per step splits every prompt longer than that across steps; 40 blocks of 4
-    # tokens cannot hold all five requests at full length (they need 2+10+12+17+23 = 64).
-    steps_with_partial_prefill = []
-
-    def spy(engine):
-        so = engine.engine_core.last_scheduler_output
-        for req_id, n in so.num_scheduled_tokens.items():
-            request = engine.engine_core.scheduler.requests.get(req_id)
-            if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
-                steps_with_partial_prefill.append(req_id)
-
-    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", block_size=4, num_gpu_blocks_override=40,
-              max_num_batched_tokens=16, max_model_len=160)
+    # tokens cannot hold all five requests at full length (they need 9+10+12+17+23 = 71).
+    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", block_size=4,
+              num_gpu_blocks_override=40, max_num_batched_tokens=16, max_model_len=160)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, on_step=spy)
+    # Drive the engine by hand (what LLM.generate does) to watch for a partial prefill.
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    finished, partial_prefills = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        partial_prefills += sum(
+            1 for r in engine.engine_core.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens
+        )
+    outputs = [finished[str(i)] for i in range(len(prompts))]
     core = llm.llm_engine.engine_core
     assert core.scheduler.num_preemptions > 0, "the stress setting was meant to force preemption"
-    assert steps_with_partial_prefill, "the stress setting was meant to force chunked prefill"
+    assert partial_prefills > 0, "the stress setting was meant to force chunked prefill"
     runs = [
         GreedyRun(o.outputs[0].token_ids,
                   [{t: lp.logprob for t, lp in pos.items() if lp.rank <= NUM_LOGPROBS} for pos in o.outputs[0].logprobs])

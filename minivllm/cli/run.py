@@ -38,35 +38,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from minivllm import SamplingParams
     from minivllm.engine.arg_utils import EngineArgs
-    from minivllm.entrypoints.llm import LLM
+    from minivllm.entrypoints.llm import LLM, chat_prompt
 
     start = time.perf_counter()
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    load_seconds = time.perf_counter() - start
     engine = llm.llm_engine
     config = engine.config
     print(
         f"model {config.model_config.model} ({config.model_config.architecture}, {config.model_config.dtype}) "
-        f"on {config.device_config.device}: loaded in {load_seconds:.1f} s; "
+        f"on {config.device_config.device}: loaded in {time.perf_counter() - start:.1f} s; "
         f"KV cache {config.cache_config.num_gpu_blocks} blocks × {config.cache_config.block_size} tokens"
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=config.model_config.seed)
-    on_step = _print_trace_step if args.trace else None
+    # What LLM.generate does, spelled out: add every request, then step the engine until all
+    # are done. Each answer is printed the moment its request finishes: short answers leave
+    # the batch early while long ones keep decoding (continuous batching).
+    for request_id, prompt in enumerate(prompts):
+        if not args.no_chat:
+            prompt = chat_prompt(engine.get_tokenizer(), [{"role": "user", "content": prompt}])
+        engine.add_request(str(request_id), prompt, params)
     if args.trace:
         print(f"{'step':>4}  {'request':>7}  {'work':<24} {'tokens':>6}  {'blocks':>6}")
     start = time.perf_counter()
-    if args.no_chat:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.trace, on_step=on_step)
-    else:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=not args.trace, on_step=on_step)
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        finished = [out for out in engine.step() if out.finished]
+        if args.trace:
+            _print_trace_step(engine)
+        for out in finished:
+            completion = out.outputs[0]
+            num_tokens += len(completion.token_ids)
+            print(
+                f"\n### [{out.request_id}] {prompts[int(out.request_id)]}\n{completion.text.strip()}\n"
+                f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, "
+                f"done after {time.perf_counter() - start:.1f} s]",
+                flush=True,
+            )
     seconds = time.perf_counter() - start
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        print(f"\n### {prompt}\n{completion.text.strip()}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
     core = engine.engine_core
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(
         f"\n{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tokens/s; "
         f"{core.num_steps} engine steps; peak KV blocks used {core.peak_num_blocks_used}/{config.cache_config.num_gpu_blocks}; "

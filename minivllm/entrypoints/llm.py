@@ -8,7 +8,7 @@ Chapter 01 starts here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -39,7 +39,6 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        on_step: Callable[[LLMEngine], None] | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -57,7 +56,7 @@ class LLM:
         ]
         for request in prepared:
             engine.add_prepared(request)
-        return self._run_engine([r.request_id for r in prepared], use_tqdm, on_step)
+        return self._run_engine([r.request_id for r in prepared], use_tqdm)
     # --8<-- [end:generate]
 
     def chat(
@@ -67,24 +66,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        on_step: Callable[[LLMEngine], None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-            # The template already wrote the special tokens; don't let the tokenizer add more.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_step=on_step)
+        prompts = [
+            chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt) for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # --8<-- [start:run-engine]
-    def _run_engine(
-        self, request_ids: list[str], use_tqdm: bool, on_step: Callable[[LLMEngine], None] | None
-    ) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         num_output_tokens = 0
@@ -96,8 +88,17 @@ class LLM:
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     bar.update(1)
                     bar.set_postfix_str(f"output {num_output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} toks/s")
-            if on_step is not None:
-                on_step(engine)
         bar.close()
         return [finished[request_id] for request_id in request_ids]
     # --8<-- [end:run-engine]
+
+
+def chat_prompt(
+    tokenizer: Any, conversation: ChatMessages, chat_template: str | None = None, add_generation_prompt: bool = True
+) -> dict[str, Any]:
+    """A conversation → a prompt, through the model's chat template."""
+    text = tokenizer.apply_chat_template(
+        conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    # The template already wrote the special tokens; don't let the tokenizer add more.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minivllm")
 
 # Bump when the converted output would change; old cache entries are then simply not found.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 # llama.cpp architecture → were the Q/K projection rows permuted when the GGUF was written?
 # llama.cpp's "llama" graph uses NORM RoPE, which rotates adjacent pairs (x0, x1), (x2, x3), ...
@@ -234,5 +234,9 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # Byte-level BPE and SentencePiece decode exactly; the WordPiece-era "clean up spaces" step
+    # would strip spaces before punctuation, so it is switched off explicitly.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, clean_up_tokenization_spaces=False
+    )
     tokenizer.save_pretrained(out_dir)
