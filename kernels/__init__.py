@@ -1,11 +1,61 @@
 """Triton kernels, each beside its naive PyTorch reference (chapter 06).
 
-Installed as `minivllm.kernels`. `KERNELS` maps each kernel's name to (kernel launcher,
-reference); tests check every entry against its reference.
+Installed as `minivllm.kernels` (the top-level name `kernels` belongs to another project).
+`KERNELS` maps each kernel's name to (kernel launcher, reference); the tests check every entry
+against its reference, on the CPU through Triton's interpreter and on the GPU natively.
+
+Importing this package defines the kernels, so `TRITON_INTERPRET=1` must be set before it is
+imported when there is no GPU (the tests' conftest and `minivllm exercise check` do that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-KERNELS: dict[str, tuple[Callable, Callable]] = {}
+import torch
+
+from minivllm.kernels._utils import assert_close, check_kernel_against_reference
+from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
+from minivllm.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
+from minivllm.kernels.rotary import rotary_embedding, rotary_embedding_reference
+
+# --8<-- [start:registry]
+KERNELS: dict[str, tuple[Callable, Callable]] = {
+    "reshape_and_cache": (reshape_and_cache, reshape_and_cache_reference),
+    "paged_decode_attention": (paged_decode_attention, paged_decode_attention_reference),
+    "paged_prefill_attention": (paged_prefill_attention, paged_prefill_attention_reference),
+    "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_reference),
+    "rotary_embedding": (rotary_embedding, rotary_embedding_reference),
+    "silu_and_mul": (silu_and_mul, silu_and_mul_reference),
+}
+# --8<-- [end:registry]
+
+
+def call_kernel(name: str, *args, **kernel_kwargs):
+    """Run kernel `name`; with MINIVLLM_CHECK_KERNELS=1 also run its reference and compare.
+
+    In-place kernels (which return None) are compared through the tensors they modify.
+    """
+    kernel, reference = KERNELS[name]
+    if not check_kernel_against_reference():
+        return kernel(*args, **kernel_kwargs)
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = kernel(*args, **kernel_kwargs)
+    ref = reference(*ref_args)
+    if out is None:
+        pairs = [(a, r) for a, r in zip(args, ref_args) if isinstance(a, torch.Tensor)]
+    else:
+        outs = out if isinstance(out, tuple) else (out,)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        pairs = list(zip(outs, refs))
+    for got, want in pairs:
+        if got.numel():
+            assert_close(name, torch.nan_to_num(got), torch.nan_to_num(want))
+    return out

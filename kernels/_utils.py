@@ -1,0 +1,31 @@
+"""Small helpers shared by the kernels' launchers (chapter 06)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_kernel_against_reference() -> bool:
+    """`MINIVLLM_CHECK_KERNELS=1`: run each kernel's reference beside it and compare."""
+    return os.environ.get("MINIVLLM_CHECK_KERNELS", "0") == "1"
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Raise if a kernel's output differs from its reference (bf16/fp16 tolerances documented)."""
+    # Low-precision outputs differ from the reference by rounding of the last bits; 2e-2
+    # relative covers bf16's 8-bit mantissa after accumulation in fp32; fp32 must be tight.
+    tol = 1e-4 if out.dtype == torch.float32 else 2e-2
+    err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+    if not torch.isfinite(out.float()).all() or err > tol:
+        raise AssertionError(f"kernel {name} disagrees with its reference: relative error {err:.3e} > {tol}")

@@ -1,0 +1,269 @@
+"""PagedAttention in Triton: decode (split-K, GQA-aware) and varlen prefill over the paged cache.
+
+Both kernels read K and V straight out of the paged cache through each request's block table:
+for context token n, `block_id = block_table[n // block_size]` and its K row sits at slot
+`block_id * block_size + n % block_size`. So any block size works, and the tile of tokens a
+program processes (BLOCK_N) is independent of the cache's block size.
+
+**Decode** (one query token per request). One program per (request, KV head, split) loads the
+query rows of all query heads that share that KV head (GQA: the group is read once, used G
+times), walks its share of the context with an online softmax, and writes an unnormalized
+partial result; a second kernel merges the splits (flash-decoding). Splitting the context
+keeps the GPU busy when there are few requests with long contexts.
+
+**Prefill** (new prompts, continued chunks). One program per (tile of BLOCK_M query tokens of
+one request, query head) attends to the request's context up to each query's position
+(causal, shifted by the tokens already cached), FlashAttention-2 style.
+
+Chapter 06 explains the tiling and the online softmax; the references below are the torch
+backend's code, so the Triton backend must agree with the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
+
+
+# -- references --------------------------------------------------------------------------------
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query [num_seqs, num_heads, head_dim] → out [num_seqs, num_heads, head_dim]."""
+    out = torch.empty_like(query)
+    for i in range(query.shape[0]):
+        out[i] = _attend(query[i : i + 1], kv_cache, block_tables[i], int(seq_lens[i]), scale)[0]
+    return out
+
+
+def paged_prefill_attention_reference(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim], requests laid end to end → out, same shape."""
+    out = torch.empty_like(query)
+    for i in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        out[start:end] = _attend(query[start:end], kv_cache, block_tables[i], int(seq_lens[i]), scale)
+    return out
+
+
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """The simplest correct paged attention for one request, in float32."""
+    block_size = kv_cache.shape[2]
+    positions = torch.arange(seq_len, device=query.device)
+    slots = block_ids.long()[positions // block_size] * block_size + positions % block_size
+    key = kv_cache[0].flatten(0, 1)[slots].float()  # [seq_len, kv_heads, dim]
+    value = kv_cache[1].flatten(0, 1)[slots].float()
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
+    query_pos = torch.arange(seq_len - query.shape[0], seq_len, device=query.device)
+    scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value).to(query.dtype)
+
+
+# -- decode --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
+    scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_size
+    end = tl.minimum(start + split_size, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block_id = tl.load(block_tables_ptr + seq * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        kv_offs = slots[:, None] * cache_stride_slot + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Partial results of this split: unnormalized acc, and (max, sum) for the merge.
+    row = (seq * NUM_HEADS + heads) * num_splits + split
+    tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(mid_ml_ptr + row * 2, m_i, mask=g_mask)
+    tl.store(mid_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_out_ptr, mid_ml_ptr, out_ptr, out_stride_seq, out_stride_head, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_HEADS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(mid_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(mid_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    m_max = tl.max(m, axis=0)
+    # An empty split has m = -inf and contributes exp(-inf) = 0.
+    weight = tl.where(s_mask & (m > float("-inf")), tl.exp(m - m_max), 0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + offs_d, out, mask=offs_d < HEAD_DIM)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would silently use tf32 on the GPU; "ieee" keeps fp32 exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    max_seq_len: int | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    block_n = 16 if head_dim > 64 else 32
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        # Enough programs to fill the GPU (~2 per SM on a 132-SM H200), but splits no shorter
+        # than a few tiles: each split costs a partial write and a merge read.
+        wanted = max(1, 264 // max(1, num_seqs * num_kv_heads))
+        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n)))
+    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    mid_out = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=query.device)
+    mid_ml = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=query.device)
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
+        scale, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
+        block_tables.stride(0), num_splits, split_size,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
+    )
+    out = torch.empty_like(query)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        mid_out, mid_ml, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(num_splits), NUM_HEADS=num_heads,
+    )
+    return out
+
+
+# -- prefill -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr, out_ptr,
+    scale, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, cache_stride_kv, cache_stride_slot, bt_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = tl.load(tile_seq_ptr + tile)
+    tile_start = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - query_len  # context already in the cache before this step
+
+    offs_m = tile_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < query_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_begin + offs_m)[:, None] * q_stride_tok + head * q_stride_head + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = num_cached + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: no query of this tile sees past the tile's last position.
+    kv_end = tl.minimum(seq_len, num_cached + tile_start + BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block_id = tl.load(block_tables_ptr + seq * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        kv_offs = slots[:, None] * cache_stride_slot + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; guard exp(-inf - -inf) = nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_begin + offs_m)[:, None] * o_stride_tok + head * o_stride_head + offs_d[None, :],
+             out, mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, scale: float, query_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    block_m = 64 if head_dim <= 64 else 32
+    block_n = 32
+    if query_lens_cpu is None:
+        query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    # One program per (tile of BLOCK_M query tokens of one request, head): list the tiles.
+    tile_seq, tile_start = [], []
+    for seq, query_len in enumerate(query_lens_cpu):
+        for start in range(0, query_len, block_m):
+            tile_seq.append(seq)
+            tile_start.append(start)
+    out = torch.empty_like(query)
+    if not tile_seq:
+        return out
+    tiles = torch.tensor([tile_seq, tile_start], dtype=torch.int32).to(query.device, non_blocking=True)
+    _prefill_kernel[(len(tile_seq), num_heads)](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, tiles[0], tiles[1], out,
+        scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), num_kv_heads * head_dim, block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(query.dtype),
+    )
+    return out

@@ -1,0 +1,56 @@
+"""`reshape_and_cache`: write this step's new K and V into the paged cache (chapter 04/06).
+
+Every new token t has a slot `slot_mapping[t] = block_id * block_size + offset`; its K and V
+([num_kv_heads, head_dim] each) are copied to `kv_cache[0 or 1, block_id, offset]`. One
+program per token; a negative slot means "padding, write nothing" (CUDA graphs pad batches).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
+
+
+def reshape_and_cache_reference(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    valid = slot_mapping >= 0
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping[valid]] = key[valid]
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping[valid]] = value[valid]
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+    key_stride, value_stride, cache_kv_stride,
+    ROW: tl.constexpr, ROW_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        offsets = tl.arange(0, ROW_PADDED)
+        mask = offsets < ROW
+        k = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
+        v = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
+        # A slot holds ROW = num_kv_heads * head_dim contiguous elements of K (and of V).
+        tl.store(cache_ptr + slot * ROW + offsets, k, mask=mask)
+        tl.store(cache_ptr + cache_kv_stride + slot * ROW + offsets, v, mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [num_tokens, num_kv_heads, head_dim] → kv_cache [2, blocks, block_size, heads, dim]."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    row = key.shape[1] * key.shape[2]
+    assert key.stride(2) == 1 and key.stride(1) == key.shape[2], "key rows must be contiguous per token"
+    assert value.stride(2) == 1 and value.stride(1) == value.shape[2], "value rows must be contiguous per token"
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), value.stride(0), kv_cache.stride(0),
+        ROW=row, ROW_PADDED=next_power_of_2(row),
+    )

@@ -1,0 +1,65 @@
+"""Fused residual add + RMSNorm in Triton (chapter 06).
+
+`residual = x + residual; out = residual / sqrt(mean(residual²) + eps) * weight`. One program
+per row: the row is read once, the sum written back as the new residual, and the normalized
+row written out; the unfused torch version reads and writes the row several times. The sum
+is rounded to the input dtype before normalizing, as HF models do, so results match them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normalized, new residual); with residual None the new residual is x."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(x.dtype), x
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, out_stride, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * residual_stride + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(residual_out_ptr.dtype.element_ty)  # the residual stream keeps the model dtype
+        tl.store(residual_out_ptr + row * N + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, (h * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n = shape[-1]
+    out = torch.empty_like(x2)
+    if residual is None:
+        residual_in, residual_out = x2, x2
+    else:
+        residual_in = residual.reshape(-1, n)
+        residual_out = torch.empty_like(x2)
+    if x2.shape[0] > 0:
+        _fused_add_rms_norm_kernel[(x2.shape[0],)](
+            x2, residual_in, weight, out, residual_out, x2.stride(0), residual_in.stride(0), out.stride(0), eps,
+            N=n, BLOCK=next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+        )
+    return out.view(shape), (x if residual is None else residual_out.view(shape))

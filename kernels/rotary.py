@@ -1,0 +1,72 @@
+"""Rotary position embedding (neox style) in Triton, in place on q and k (chapter 06).
+
+For each token: look up cos/sin of its position in the precomputed cache (which already
+includes llama3 frequency scaling), then rotate the channel pairs (i, i + d/2) of every q and
+k head. One program per token handles all its heads, so cos/sin are read once per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, heads, dim], key [T, kv_heads, dim]; cos_sin_cache [max_pos, dim] = [cos | sin]."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_tok, stride_head, token, num_heads, cos, sin, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    base = ptr + token * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cache_ptr, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
+    num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cache_ptr + pos * 2 * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    sin = tl.load(cache_ptr + pos * 2 * HALF + HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    _rotate_heads(q_ptr, q_stride_tok, q_stride_head, token, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_stride_tok, k_stride_head, token, num_k_heads, cos, sin, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates query and key in place (they must have unit stride in the last dim); returns them."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_k_heads = key.shape[1]
+    assert query.stride(-1) == 1 and key.stride(-1) == 1
+    if num_tokens > 0:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens,)](
+            positions, query, key, cos_sin_cache, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            num_q_heads, num_k_heads, HALF=half, BLOCK_HALF=next_power_of_2(half),
+            BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(num_k_heads),
+        )
+    return query, key
