@@ -1,0 +1,164 @@
+"""Every Triton kernel against its PyTorch reference (chapter 06).
+
+On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in
+float32 and float16; on a GPU (tests marked `gpu`) natively in bfloat16. Shapes are drawn by
+hypothesis: sizes that are not powers of two, GQA ratios 1/2/4/8, head_dim 64 and 128, block
+sizes 16 and 32, contexts shorter than one block and spanning many. Cache blocks that a
+request does not own are filled with NaN, so a kernel that reads outside its block table, or
+writes outside its slots, poisons the result and fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minivllm.kernels import KERNELS
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+# Relative error ‖out − ref‖ / ‖ref‖: fp32 arithmetic lands near 1e-7; fp16/bf16 operands
+# (8–11 mantissa bits) with fp32 accumulation land between 1e-4 and 1e-2.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# The interpreter runs one program at a time (~1 ms each): few, larger examples.
+FAST = settings(max_examples=6 if not CUDA else 30, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out.float()).all(), "the kernel produced NaN/inf: it read memory it does not own"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_size, dtype, seed):
+    """A paged KV cache whose unowned blocks are NaN, shuffled block tables, and queries."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids = [order.pop() for _ in range(n)]
+        block_tables[i, :n] = torch.tensor(ids)
+        slots = torch.arange(seq_len)
+        flat = kv_cache.flatten(1, 2)
+        for kv in range(2):
+            flat[kv, torch.tensor(ids)[slots // block_size] * block_size + slots % block_size] = torch.randn(
+                seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(query), to(kv_cache), to(block_tables), to(torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def test_registry_lists_every_kernel_with_a_reference():
+    assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
+                            "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
+    for name, (kernel, reference) in KERNELS.items():
+        assert reference.__name__ == f"{kernel.__name__}_reference", name
+
+
+@FAST
+@given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), group=st.sampled_from([1, 2, 4, 8]),
+       head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]), splits=st.integers(1, 3),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, dtype, seed):
+    kernel, reference = KERNELS["paged_decode_attention"]
+    q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
+    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits)
+    assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
+
+
+@FAST
+@given(data=st.data(), group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128]),
+       block_size=st.sampled_from([16, 32]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_prefill_attention(data, group, head_dim, block_size, dtype, seed):
+    seq_lens = data.draw(st.lists(st.integers(1, 130), min_size=1, max_size=3))
+    # Each request's queries are its last query_len tokens: a new prompt (all of them) or a
+    # continued chunk / cached prefix (fewer).
+    query_lens = [data.draw(st.integers(1, s)) for s in seq_lens]
+    kernel, reference = KERNELS["paged_prefill_attention"]
+    q, kv, bt, sl = paged_problem(seq_lens, query_lens, 2, group, head_dim, block_size, dtype, seed)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    out = kernel(q, kv, bt, sl, qsl, head_dim**-0.5)
+    assert rel_err(out, reference(q, kv, bt, sl, qsl, head_dim**-0.5)) < TOLERANCE[dtype]
+
+
+@FAST
+@given(num_tokens=st.integers(1, 40), num_kv_heads=st.integers(1, 3), head_dim=st.sampled_from([64, 80]),
+       block_size=st.sampled_from([16, 32]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_reshape_and_cache_writes_exactly_its_slots(num_tokens, num_kv_heads, head_dim, block_size, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-num_tokens // block_size) + 2
+    kv = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    kv_ref = kv.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[0] = -1  # a padding token: must write nothing
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    kernel, reference = KERNELS["reshape_and_cache"]
+    kernel(key, value, kv, slots.to(DEVICE))
+    reference(key, value, kv_ref, slots.to(DEVICE))
+    assert torch.equal(kv.isnan(), kv_ref.isnan()), "the kernel wrote outside its slots (or missed one)"
+    assert torch.equal(kv.nan_to_num(), kv_ref.nan_to_num())
+
+
+@FAST
+@given(rows=st.integers(1, 9), hidden=st.integers(8, 700), with_residual=st.booleans(),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_fused_add_rms_norm(rows, hidden, with_residual, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, r, w = (torch.randn(*s, generator=g).to(dtype).to(DEVICE) for s in [(rows, hidden), (rows, hidden), (hidden,)])
+    kernel, reference = KERNELS["fused_add_rms_norm"]
+    out, res = kernel(x, r if with_residual else None, w, 1e-6)
+    ref_out, ref_res = reference(x, r if with_residual else None, w, 1e-6)
+    assert rel_err(out, ref_out) < TOLERANCE[dtype]
+    assert torch.equal(res, ref_res), "the new residual is x + residual, rounded to the model dtype"
+
+
+@FAST
+@given(num_tokens=st.integers(1, 20), heads=st.sampled_from([(4, 1), (6, 2), (5, 5)]), head_dim=st.sampled_from([64, 128]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_rotary_embedding(num_tokens, heads, head_dim, dtype, seed):
+    from minivllm.models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cache = RotaryEmbedding(head_dim, 300, 500000.0, scaling).cos_sin_cache.to(DEVICE)
+    positions = torch.randint(0, 300, (num_tokens,), generator=g).to(DEVICE)
+    q = torch.randn(num_tokens, heads[0], head_dim, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(num_tokens, heads[1], head_dim, generator=g).to(dtype).to(DEVICE)
+    kernel, reference = KERNELS["rotary_embedding"]
+    ref_q, ref_k = reference(positions, q, k, cache)
+    out_q, out_k = kernel(positions, q.clone(), k.clone(), cache)
+    assert rel_err(out_q, ref_q) < TOLERANCE[dtype] and rel_err(out_k, ref_k) < TOLERANCE[dtype]
+
+
+@FAST
+@given(rows=st.integers(1, 7), d=st.integers(1, 1500), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_silu_and_mul(rows, d, dtype, seed):
+    x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+    kernel, reference = KERNELS["silu_and_mul"]
+    assert rel_err(kernel(x), reference(x)) < TOLERANCE[dtype]
+
+
+def test_check_mode_raises_on_a_wrong_kernel(monkeypatch):
+    import minivllm.kernels as kernels
+
+    monkeypatch.setenv("MINIVLLM_CHECK_KERNELS", "1")
+    good = kernels.KERNELS["silu_and_mul"]
+    monkeypatch.setitem(kernels.KERNELS, "silu_and_mul", (lambda x: good[1](x) * 1.5, good[1]))
+    with pytest.raises(AssertionError, match="silu_and_mul disagrees"):
+        kernels.call_kernel("silu_and_mul", torch.randn(3, 8, device=DEVICE))
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    from minivllm.attention.torch_backend import get_attention_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_attention_backend("triton", torch.device("cpu"))
