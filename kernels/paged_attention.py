@@ -105,11 +105,12 @@ def _decode_partial_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        # Scores in base 2 (scale already includes log2(e)): exp2 is one instruction.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -138,7 +139,7 @@ def _decode_merge_kernel(
                   mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     m_max = tl.max(m, axis=0)
     # An empty split has m = -inf and contributes exp(-inf) = 0.
-    weight = tl.where(s_mask & (m > float("-inf")), tl.exp(m - m_max), 0.0)
+    weight = tl.where(s_mask & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + offs_d, out, mask=offs_d < HEAD_DIM)
 
@@ -148,30 +149,38 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+LOG2_E = 1.4426950408889634
+
+
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
+    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 4,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    block_n = 16 if head_dim > 64 else 32
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     if num_splits is None:
-        # Enough programs to fill the GPU (~2 per SM on a 132-SM H200), but splits no shorter
-        # than a few tiles: each split costs a partial write and a merge read.
-        wanted = max(1, 264 // max(1, num_seqs * num_kv_heads))
-        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n)))
+        # Enough programs to fill every SM a few times over, but splits no shorter than two
+        # tiles: each split costs a partial write and a merge read.
+        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 1
+        wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
+        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, split_size)
     mid_out = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=query.device)
     mid_ml = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=query.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
-        scale, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
+        scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
         block_tables.stride(0), num_splits, split_size,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty_like(query)
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -185,15 +194,51 @@ def paged_decode_attention(
 
 
 @triton.jit
+def _prefill_inner(
+    acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, kv_head, lo, hi, cache_stride_kv, cache_stride_slot,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over context tokens [lo, hi); MASKED applies causality and the end bound."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_mask = offs_n < hi
+        else:  # the caller guarantees whole, in-range tiles
+            n_mask = offs_n >= 0
+        block_id = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        kv_offs = slots[:, None] * cache_stride_slot + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [ROWS, BLOCK_N], base-2 scaled
+        if MASKED:
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; guard exp2(-inf - -inf) = nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr, out_ptr,
-    scale, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, cache_stride_kv, cache_stride_slot, bt_stride,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, cache_stride_kv, cache_stride_slot, bt_stride,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # One program: BLOCK_M query tokens of one request × the GROUP query heads that share one
+    # KV head, packed as BLOCK_M * GROUP_PAD rows, so each K/V tile is loaded once per group.
     tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     tile_start = tl.load(tile_start_ptr + tile)
     q_begin = tl.load(query_start_loc_ptr + seq)
@@ -201,55 +246,50 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     num_cached = seq_len - query_len  # context already in the cache before this step
 
-    offs_m = tile_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    token = tile_start + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_mask = (token < query_len) & (rows % GROUP_PAD < GROUP)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < query_len
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + (q_begin + offs_m)[:, None] * q_stride_tok + head * q_stride_head + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = num_cached + offs_m
+    q = tl.load(q_ptr + (q_begin + token)[:, None] * q_stride_tok + head[:, None] * q_stride_head + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = (q * qk_scale).to(q_ptr.dtype.element_ty)
+    q_pos = num_cached + token
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Causal: no query of this tile sees past the tile's last position.
-    kv_end = tl.minimum(seq_len, num_cached + tile_start + BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        block_id = tl.load(block_tables_ptr + seq * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_offs = slots[:, None] * cache_stride_slot + kv_head * HEAD_DIM + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; guard exp(-inf - -inf) = nan.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
+    bt_row_ptr = block_tables_ptr + seq * bt_stride
+    # Keys before the tile's first query are visible to every row: whole tiles, no mask.
+    first_q_pos = num_cached + tile_start
+    lo = (first_q_pos // BLOCK_N) * BLOCK_N
+    acc, m_i, l_i = _prefill_inner(acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, kv_head, 0, lo,
+                                   cache_stride_kv, cache_stride_slot, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                   False, DOT_PRECISION)
+    # The diagonal: causal mask, and no query of this tile sees past its last position.
+    hi = tl.minimum(seq_len, first_q_pos + BLOCK_M)
+    acc, m_i, l_i = _prefill_inner(acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, kv_head, lo, hi,
+                                   cache_stride_kv, cache_stride_slot, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                   True, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_begin + offs_m)[:, None] * o_stride_tok + head * o_stride_head + offs_d[None, :],
-             out, mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + (q_begin + token)[:, None] * o_stride_tok + head[:, None] * o_stride_head + offs_d[None, :],
+             out, mask=row_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, query_lens_cpu: list[int] | None = None,
+    block_rows: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    block_m = 64 if head_dim <= 64 else 32
-    block_n = 32
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_m = max(1, block_rows // group_pad)  # query tokens per program
     if query_lens_cpu is None:
         query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    # One program per (tile of BLOCK_M query tokens of one request, head): list the tiles.
+    # One program per (tile of BLOCK_M query tokens of one request, KV head): list the tiles.
     tile_seq, tile_start = [], []
     for seq, query_len in enumerate(query_lens_cpu):
         for start in range(0, query_len, block_m):
@@ -259,11 +299,12 @@ def paged_prefill_attention(
     if not tile_seq:
         return out
     tiles = torch.tensor([tile_seq, tile_start], dtype=torch.int32).to(query.device, non_blocking=True)
-    _prefill_kernel[(len(tile_seq), num_heads)](
+    _prefill_kernel[(len(tile_seq), num_kv_heads)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, tiles[0], tiles[1], out,
-        scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), num_kv_heads * head_dim, block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
