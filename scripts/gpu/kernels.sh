@@ -11,3 +11,6 @@ MINIVLLM_TEST_DEVICE=cuda timeout 200 python -m pytest tests/test_hf_parity.py -
 timeout 240 python -m minivllm.bench.kernels --json "$OUT/kernels.json" 2>&1 | grep -v Warning | tail -12
 timeout 200 python -m minivllm.bench.throughput --shape qwen3-0.6b --num-requests 256 --attention-backend triton --json "$OUT/throughput_triton.json" 2>&1 | grep -E "tokens_per_s|seconds|steps"
 rm -f minivllm/kernels
+ln -sfn "$PWD/kernels" minivllm/kernels
+timeout 200 python -m minivllm.bench.throughput --shape qwen3-0.6b --num-requests 256 --attention-backend torch --json "$OUT/throughput_torch.json" 2>&1 | grep -E "tokens_per_s|seconds|steps"
+rm -f minivllm/kernels
