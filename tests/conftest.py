@@ -10,6 +10,13 @@ import pytest
 # Tests never download: every model is local (the demo package, or made by the test).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Without a GPU, Triton kernels run in Triton's interpreter, which must be switched on before
+# any kernel is defined (i.e. before minivllm.kernels is imported).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The parity tests run minivllm on this device (float32) against transformers on the CPU.
 # CI uses the CPU; on a GPU machine run them again with MINIVLLM_TEST_DEVICE=cuda.
 TEST_DEVICE = os.environ.get("MINIVLLM_TEST_DEVICE", "cpu")
