@@ -38,6 +38,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
 # --8<-- [end:registry]
 
 
+# --8<-- [start:call-kernel]
 def call_kernel(name: str, *args, **kernel_kwargs):
     """Run kernel `name`; with MINIVLLM_CHECK_KERNELS=1 also run its reference and compare.
 
@@ -59,3 +60,4 @@ def call_kernel(name: str, *args, **kernel_kwargs):
         if got.numel():
             assert_close(name, torch.nan_to_num(got), torch.nan_to_num(want))
     return out
+# --8<-- [end:call-kernel]

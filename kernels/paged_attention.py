@@ -12,11 +12,12 @@ partial result; a second kernel merges the splits (flash-decoding). Splitting th
 keeps the GPU busy when there are few requests with long contexts.
 
 **Prefill** (new prompts, continued chunks). One program per (tile of BLOCK_M query tokens of
-one request, query head) attends to the request's context up to each query's position
-(causal, shifted by the tokens already cached), FlashAttention-2 style.
+one request, KV head) packs the G query heads of that KV head into its rows and attends to the
+request's context up to each query's position (causal, shifted by the tokens already cached),
+FlashAttention-2 style: whole tiles below the diagonal without a mask, then the diagonal.
 
-Chapter 06 explains the tiling and the online softmax; the references below are the torch
-backend's code, so the Triton backend must agree with the torch backend.
+Chapter 06 explains the tiling and the online softmax. The references below compute the same
+thing as the torch backend, in the plainest float32 PyTorch: gather, repeat heads, softmax.
 """
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor
 # -- decode --------------------------------------------------------------------------------------
 
 
+# --8<-- [start:decode-tile]
+# exercise[ch06-decode-online-softmax]: s = dot(q, trans(k)) * scale, -inf where not n_mask; m_new = max(m_i, row max of s); acc, l_i times exp2(m_i - m_new), plus p = exp2(s - m_new)
+@triton.jit
+def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of BLOCK_N context tokens into the running softmax of the G query rows.
+
+    q is [BLOCK_G, BLOCK_D] (the query heads that share this KV head; padding rows are 0);
+    k and v are [BLOCK_N, BLOCK_D], the tile's keys and values; n_mask [BLOCK_N] is False for
+    tokens past the end of the split, whose k and v were loaded as 0: they must get no weight.
+    At least one token of a tile is valid. The running state, per query row: m_i [BLOCK_G],
+    the largest score so far; l_i [BLOCK_G], the sum of exp2(score - m_i) so far; acc
+    [BLOCK_G, BLOCK_D] float32, the sum of exp2(score - m_i) * v so far (not divided by l_i).
+    Scores are in base 2: `scale` is head_dim**-0.5 * log2(e), so exp2(q·k * scale) equals
+    exp(q·k * head_dim**-0.5). Use `tl.dot(..., input_precision=DOT_PRECISION)` for both
+    products, with the probabilities cast to v's dtype. Returns the new (acc, m_i, l_i).
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)  # how much the old max overestimated: shrink the old sums
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+# --8<-- [end:decode-tile]
+
+
+# --8<-- [start:decode-partial-kernel]
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
@@ -105,23 +134,17 @@ def _decode_partial_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
-        # Scores in base 2 (scale already includes log2(e)): exp2 is one instruction.
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION)
 
     # Partial results of this split: unnormalized acc, and (max, sum) for the merge.
     row = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_ml_ptr + row * 2, m_i, mask=g_mask)
     tl.store(mid_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+# --8<-- [end:decode-partial-kernel]
 
 
+# --8<-- [start:decode-merge-kernel]
 @triton.jit
 def _decode_merge_kernel(
     mid_out_ptr, mid_ml_ptr, out_ptr, out_stride_seq, out_stride_head, num_splits,
@@ -142,6 +165,7 @@ def _decode_merge_kernel(
     weight = tl.where(s_mask & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + offs_d, out, mask=offs_d < HEAD_DIM)
+# --8<-- [end:decode-merge-kernel]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -152,6 +176,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 LOG2_E = 1.4426950408889634
 
 
+# --8<-- [start:decode-launcher]
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
@@ -188,11 +213,13 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(num_splits), NUM_HEADS=num_heads,
     )
     return out
+# --8<-- [end:decode-launcher]
 
 
 # -- prefill -------------------------------------------------------------------------------------
 
 
+# --8<-- [start:prefill-inner]
 @triton.jit
 def _prefill_inner(
     acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, kv_head, lo, hi, cache_stride_kv, cache_stride_slot,
@@ -226,8 +253,10 @@ def _prefill_inner(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+# --8<-- [end:prefill-inner]
 
 
+# --8<-- [start:prefill-kernel]
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr, out_ptr,
@@ -275,6 +304,7 @@ def _prefill_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_begin + token)[:, None] * o_stride_tok + head[:, None] * o_stride_head + offs_d[None, :],
              out, mask=row_mask[:, None] & d_mask[None, :])
+# --8<-- [end:prefill-kernel]
 
 
 def paged_prefill_attention(

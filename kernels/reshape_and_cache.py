@@ -23,12 +23,23 @@ def reshape_and_cache_reference(
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping[valid]] = value[valid]
 
 
+# --8<-- [start:reshape-and-cache-kernel]
+# exercise[ch06-reshape-and-cache-kernel]: slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
     key_stride, value_stride, cache_kv_stride,
     ROW: tl.constexpr, ROW_PADDED: tl.constexpr,
 ):
+    """One program copies the K and V of one new token into the paged cache.
+
+    Program t reads slot_mapping[t]; a negative slot is padding: write nothing. Token t's key
+    is ROW = num_kv_heads * head_dim contiguous elements at key_ptr + t * key_stride (its
+    value: value_ptr + t * value_stride). In the cache [2, num_blocks, block_size, heads, dim],
+    slot s of the K half starts at cache_ptr + s * ROW; the V half is cache_kv_stride elements
+    further. ROW_PADDED is ROW rounded up to a power of 2: lanes at ROW and beyond must be
+    neither loaded nor stored.
+    """
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
@@ -39,6 +50,7 @@ def _reshape_and_cache_kernel(
         # A slot holds ROW = num_kv_heads * head_dim contiguous elements of K (and of V).
         tl.store(cache_ptr + slot * ROW + offsets, k, mask=mask)
         tl.store(cache_ptr + cache_kv_stride + slot * ROW + offsets, v, mask=mask)
+# --8<-- [end:reshape-and-cache-kernel]
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -26,11 +26,22 @@ def fused_add_rms_norm_reference(
     return (h * weight.float()).to(x.dtype), x
 
 
+# --8<-- [start:fused-add-rms-norm-kernel]
+# exercise[ch06-fused-add-rms-norm]: offs = arange(BLOCK), mask offs < N; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w
 @triton.jit
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, out_stride, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
+    """One program normalizes one row of N elements; BLOCK is N rounded up to a power of 2.
+
+    Row r of x starts at x_ptr + r * x_stride (of residual: residual_ptr + r * residual_stride;
+    of out: out_ptr + r * out_stride); its elements are contiguous. With HAS_RESIDUAL, first
+    h = x + residual, added in float32 and rounded to the model dtype, is stored as the new
+    residual at residual_out_ptr + r * N (contiguous rows); without it, h = x and the residual
+    pointers are unused. Then out = h / sqrt(mean(h²) + eps) * weight, computed in float32 and
+    stored in out's dtype. Lanes at N and beyond must be neither loaded nor stored.
+    """
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -43,6 +54,7 @@ def _fused_add_rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + offs, (h * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+# --8<-- [end:fused-add-rms-norm-kernel]
 
 
 def fused_add_rms_norm(
@@ -51,11 +63,14 @@ def fused_add_rms_norm(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n = shape[-1]
+    # The kernel walks a row with unit stride, and writes the new residual as contiguous rows.
+    assert x2.stride(-1) == 1, "x must have unit stride in its last dimension"
     out = torch.empty_like(x2)
     if residual is None:
         residual_in, residual_out = x2, x2
     else:
         residual_in = residual.reshape(-1, n)
+        assert residual_in.stride(-1) == 1, "residual must have unit stride in its last dimension"
         residual_out = torch.empty_like(x2)
     if x2.shape[0] > 0:
         _fused_add_rms_norm_kernel[(x2.shape[0],)](

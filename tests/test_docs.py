@@ -73,7 +73,7 @@ def test_chapter_01_includes_real_source_code(site_dir: Path) -> None:
     # Each string exists only in the source files the chapter includes, never in its prose.
     for code in [
         "def step(self) -> list[EngineCoreOutput]:",  # minivllm/engine/core.py:step
-        "engine_core_outputs = self.engine_core.step()",  # minivllm/engine/llm_engine.py:engine-step
+        "engine_core_outputs = self.engine_core.get_output()",  # minivllm/engine/llm_engine.py:engine-step
         "class SchedulerConfig:",  # minivllm/config.py:scheduler-config
         "while engine.has_unfinished_requests():",  # minivllm/entrypoints/llm.py:run-engine
     ]:

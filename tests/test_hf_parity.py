@@ -60,18 +60,20 @@ def assert_matches_hf(hf_runs: list[GreedyRun], runs: list[GreedyRun]) -> None:
                 )
 
 
-def test_greedy_matches_hf(tiny_model):
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_greedy_matches_hf(tiny_model, attention_backend):
     arch, folder, prompts, hf_runs = tiny_model
-    runs, _ = run_minivllm(folder, prompts, block_size=16, num_gpu_blocks_override=256)
+    runs, _ = run_minivllm(folder, prompts, block_size=16, num_gpu_blocks_override=256, attention_backend=attention_backend)
     assert_matches_hf(hf_runs, runs)
 
 
-def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model):
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model, attention_backend):
     arch, folder, prompts, hf_runs = tiny_model
     # 16 tokens per step splits every prompt longer than that across steps; 40 blocks of 4
     # tokens cannot hold all five requests at full length (they need 9+10+12+17+23 = 71).
     llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", block_size=4,
-              num_gpu_blocks_override=40, max_num_batched_tokens=16, max_model_len=160)
+              num_gpu_blocks_override=40, max_num_batched_tokens=16, max_model_len=160, attention_backend=attention_backend)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS, detokenize=False)
     # Drive the engine by hand (what LLM.generate does) to watch for a partial prefill.
     engine = llm.llm_engine

@@ -18,6 +18,7 @@ from minivllm.attention.metadata import AttentionMetadata
 
 
 # --8<-- [start:reshape-and-cache]
+# exercise[ch04-reshape-and-cache]: view kv_cache[0] and [1] as [num_slots, kv_heads, head_dim]; write key/value at the rows slot_mapping
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -33,8 +34,14 @@ def reshape_and_cache(
 
 
 # --8<-- [start:gather-kv]
+# exercise[ch04-gather-kv]: the first cdiv(seq_len, block_size) blocks of block_ids, from the cache; flatten; keep seq_len rows
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len tokens of K and V of one request: [seq_len, num_kv_heads, head_dim]."""
+    """The first seq_len tokens of K and V of one request: [seq_len, num_kv_heads, head_dim].
+
+    `block_ids` is the request's block table (a row of `block_tables`, which may be padded
+    past the blocks the request holds); token t is at offset t % block_size of block
+    block_ids[t // block_size].
+    """
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_ids[:num_blocks].long()
@@ -69,9 +76,15 @@ class TorchAttentionBackend:
     # --8<-- [end:torch-attention-forward]
 
     # --8<-- [start:torch-prefill]
+    # exercise[ch04-prefill-attention]: gather_kv the context; query j is at position seq_len - query_len + j, sees keys <= it; SDPA, enable_gqa
     @staticmethod
     def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-        """One request's query_len new tokens attend to its seq_len tokens of context."""
+        """One request's query_len new tokens attend to its seq_len tokens of context.
+
+        query is [query_len, num_heads, head_dim]: the request's last query_len tokens, whose
+        K/V are already in the cache. The context is read through `block_ids`. With GQA,
+        num_heads is a multiple of num_kv_heads. Returns [query_len, num_heads, head_dim].
+        """
         key, value = gather_kv(kv_cache, block_ids, seq_len)
         query_len = query.shape[0]
         # Query token j sits at position seq_len - query_len + j and sees keys up to there.
@@ -86,9 +99,15 @@ class TorchAttentionBackend:
     # --8<-- [end:torch-prefill]
 
     # --8<-- [start:torch-decode]
+    # exercise[ch04-decode-attention]: gather all decode requests' blocks at once, pad to the longest, mask keys >= seq_len; one SDPA, enable_gqa
     @staticmethod
     def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """All decode requests at once: gather each context, pad to the longest, mask the pad."""
+        """All decode requests at once: gather each context, pad to the longest, mask the pad.
+
+        query is [n, num_heads, head_dim], one token for each of the first n =
+        meta.num_decodes requests. Request i attends to its meta.seq_lens[i] tokens, read
+        through meta.block_tables[i]. Returns [n, num_heads, head_dim].
+        """
         n = meta.num_decodes
         block_size = kv_cache.shape[2]
         seq_lens = meta.seq_lens[:n]
@@ -106,7 +125,21 @@ class TorchAttentionBackend:
     # --8<-- [end:torch-decode]
 
 
-def get_attention_backend(name: str):
+# --8<-- [start:get-attention-backend]
+def get_attention_backend(name: str, device: torch.device):
+    """The backend object for `attention_backend`; a clear error when it cannot run here."""
     if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "triton":
+        import os
+
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device; on the CPU it runs only under "
+                "Triton's interpreter (set TRITON_INTERPRET=1 before starting). Use 'torch' here."
+            )
+        from minivllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")
+# --8<-- [end:get-attention-backend]

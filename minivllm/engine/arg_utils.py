@@ -24,7 +24,7 @@ from minivllm.config import (
     resolve_dtype,
 )
 
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 # --8<-- [start:engine-args]
@@ -46,7 +46,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     device: str = "auto"
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA, torch on CPU
 # --8<-- [end:engine-args]
 
     def create_engine_config(self) -> EngineConfig:
@@ -60,7 +60,8 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
-        backend = self.attention_backend or "torch"
+        # Triton kernels are the default on CUDA; the torch reference is the default on the CPU.
+        backend = self.attention_backend or ("triton" if device_config.device.startswith("cuda") else "torch")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         model_config = ModelConfig(
@@ -120,6 +121,11 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {sorted(known)}")
         return dataclasses.replace(cls(), model=model, **kwargs)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """`EngineArgs` for `AsyncLLM`, as vLLM names them; the same fields (chapter 02)."""
 
 
 def resolve_model_path(model: str | None) -> Path:

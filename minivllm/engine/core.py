@@ -2,7 +2,7 @@
 
 `step()` is the heartbeat of the engine: schedule → execute the model → update requests from
 what was sampled. In the offline engine the core runs in the caller's process; chapter 02
-moves it into a process of its own, behind the same methods.
+moves it into a process of its own (`core_proc.py`), behind the same methods.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from minivllm.config import EngineConfig
-from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest
+from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.kv_cache.manager import KVCacheManager, cdiv
 from minivllm.request import RequestStatus
@@ -46,6 +46,21 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineCoreStats:
+        manager = self.scheduler.kv_cache_manager
+        return EngineCoreStats(
+            num_gpu_blocks=manager.block_pool.num_blocks,
+            num_free_blocks=manager.num_free_blocks,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_steps=self.num_steps,
+            peak_num_blocks_used=self.peak_num_blocks_used,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # --8<-- [start:step]
     def step(self) -> list[EngineCoreOutput]:

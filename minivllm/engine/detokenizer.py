@@ -121,6 +121,7 @@ class IncrementalDetokenizer:
 
 
 # --8<-- [start:check-stop-strings]
+# exercise[ch02-stop-strings]: search from len(stop_str) - 1 chars before the new text; the match that ends first wins; cut before it, or after it if included
 def check_stop_strings(
     output_text: str,
     new_char_count: int,

@@ -1,8 +1,9 @@
 """`LLMEngine`: the offline engine — front end (processor, output processor) + engine core.
 
-`add_request` validates and tokenizes, `step` runs one engine-core step and turns its outputs
-into `RequestOutput`s. `LLM` drives it in a loop; chapter 02 puts the core in another
-process and drives it from `AsyncLLM` instead. Chapter 01 traces one request through here.
+`add_request` validates and tokenizes, `step` takes one engine-core step's outputs and turns
+them into `RequestOutput`s. `LLM` drives it in a loop. Chapter 01 traces one request through
+here. The core is reached through an `EngineCoreClient` (chapter 02): in this process by
+default, or in a process of its own with MINIVLLM_ENABLE_MULTIPROCESSING=1.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.core import EngineCore
+from minivllm.engine.core_client import EngineCoreClient, multiprocessing_enabled
 from minivllm.engine.output_processor import OutputProcessor, ParentRequest
 from minivllm.engine.processor import Processor, PromptType
-from minivllm.engine.types import EngineCoreRequest
+from minivllm.engine.types import EngineCoreRequest, EngineCoreStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -48,16 +49,17 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, multiprocess_mode: bool = False) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCoreClient.make_client(multiprocess_mode, asyncio_mode=False, config=config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None) -> LLMEngine:
+        """`enable_multiprocessing=None`: as MINIVLLM_ENABLE_MULTIPROCESSING says (default off)."""
+        return cls(engine_args.create_engine_config(), multiprocess_mode=multiprocessing_enabled(enable_multiprocessing))
 
     # --8<-- [start:add-request]
     def prepare_request(
@@ -98,7 +100,13 @@ class LLMEngine:
 
     # --8<-- [start:engine-step]
     def step(self) -> list[RequestOutput]:
-        engine_core_outputs = self.engine_core.step()
+        if not self.has_unfinished_requests():
+            return []  # with the core in another process, waiting for outputs would never end
+        # In-process this runs one EngineCore.step(); otherwise it waits for the outputs of
+        # the next step the core process ran on its own.
+        engine_core_outputs = self.engine_core.get_output()
+        for failed in (out for out in engine_core_outputs if out.error is not None):
+            logger.error("request %s failed in the engine core: %s", failed.request_id, failed.error)
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(engine_core_outputs)
         # Stop strings are found here, in the front end; tell the core to stop those requests.
         self.engine_core.abort_requests(reqs_to_abort)
@@ -109,7 +117,15 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.scheduler.get_num_unfinished_requests()
+        return len(self.output_processor.request_states)
+
+    def get_stats(self) -> EngineCoreStats:
+        """Blocks, steps, queues of the core, in either mode (a utility call when it is remote)."""
+        return self.engine_core.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and its process, if it has one)."""
+        self.engine_core.shutdown()
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

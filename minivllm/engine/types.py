@@ -1,8 +1,10 @@
 """The messages between the front end and the engine core.
 
 `EngineCoreRequest` goes in (already tokenized and validated); `EngineCoreOutput` comes out,
-one per request per step, carrying only what is new. Chapter 02 sends these over ZMQ; in the
-offline engine they are passed as plain Python objects.
+one per request per step, carrying only what is new. In the offline engine they are passed as
+plain Python objects; with the core in its own process (chapter 02) they cross a ZMQ socket as
+typed msgpack, through `minivllm/engine/serial_utils.py`. This module must import without
+msgspec or pyzmq: the offline path runs with torch, transformers, safetensors and numpy only.
 """
 
 from __future__ import annotations
@@ -24,14 +26,30 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # For the one new token, when logprobs were asked for: column 0 the sampled token, then
     # the top-N; `new_sampled_rank` is the sampled token's rank (1 = most likely).
     new_logprob_token_ids: list[int] | None = None
     new_logprobs: list[float] | None = None
     new_sampled_rank: int | None = None
+    # Set (with finish_reason "error") when the core could not take this request; the other
+    # requests carry on. The front end raises it in this request's stream.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreStats:
+    """A snapshot of the core, answered by the `get_stats` utility call (tests, `minivllm run`)."""
+
+    num_gpu_blocks: int
+    num_free_blocks: int
+    num_waiting: int
+    num_running: int
+    num_steps: int
+    peak_num_blocks_used: int
+    num_preemptions: int

@@ -23,11 +23,15 @@ ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    """An offline engine over one model. `model=None` loads the embedded demo model."""
+    """An offline engine over one model. `model=None` loads the embedded demo model.
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    `enable_multiprocessing=True` runs the engine core in a process of its own (chapter 02);
+    None (the default) follows MINIVLLM_ENABLE_MULTIPROCESSING, which is off unless set to 1.
+    """
+
+    def __init__(self, model: str | None = None, *, enable_multiprocessing: bool | None = None, **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, **engine_args)
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = LLMEngine.from_engine_args(args, enable_multiprocessing=enable_multiprocessing)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -11,6 +11,7 @@ Chapter 05 (executor & worker) explains it; chapter 04 draws the slot mapping.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,23 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("minivllm")
+
+
+# --8<-- [start:slot-mapping]
+# exercise[ch04-slot-mapping]: slot of position p = block_table[p // block_size] * block_size + p % block_size
+def compute_slot_mapping(block_table: list[int], positions: Sequence[int], block_size: int) -> list[int]:
+    """The cache slot of each position of one request, given the request's block table.
+
+    The paged cache is a row of `num_blocks * block_size` slots; block b holds slots
+    `b * block_size` to `b * block_size + block_size - 1`. `block_table[i]` is the block that
+    holds the request's tokens `i * block_size` to `i * block_size + block_size - 1`.
+    """
+    slots = []
+    for pos in positions:
+        block_id = block_table[pos // block_size]
+        slots.append(block_id * block_size + pos % block_size)
+    return slots
+# --8<-- [end:slot-mapping]
 
 
 @dataclass
@@ -57,7 +75,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.attn_backend = get_attention_backend(config.attention_backend)
+        self.attn_backend = get_attention_backend(config.attention_backend, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
 
@@ -175,10 +193,8 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + so.num_scheduled_tokens[req_id]
             input_ids += state.token_ids(start, end)
-            for pos in range(start, end):
-                positions.append(pos)
-                block_id = state.block_ids[pos // self.block_size]
-                slot_mapping.append(block_id * self.block_size + pos % self.block_size)
+            positions += range(start, end)
+            slot_mapping += compute_slot_mapping(state.block_ids, range(start, end), self.block_size)
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             if end >= state.num_tokens:  # caught up with every known token: sample the next

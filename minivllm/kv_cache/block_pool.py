@@ -32,7 +32,12 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_block_queue)
 
+    # exercise[ch04-get-new-blocks]: pop from the front of free_block_queue, ref_cnt = 1 each; ValueError, taking nothing, if too few are free
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks off the front of the free queue, each now held once.
+
+        Raises ValueError, and takes nothing, when fewer than `num_blocks` blocks are free.
+        """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
         new_blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
@@ -41,7 +46,13 @@ class BlockPool:
             block.ref_cnt = 1
         return new_blocks
 
+    # exercise[ch04-free-blocks]: ref_cnt -= 1 for each block, in order; a block that reaches 0 goes to the back of free_block_queue
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; a block nobody holds any more becomes free.
+
+        Freed blocks join the back of the free queue in the order given, so they are the
+        last to be handed out again.
+        """
         for block in blocks:
             assert block.ref_cnt > 0, f"block {block.block_id} freed twice"
             block.ref_cnt -= 1

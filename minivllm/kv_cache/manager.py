@@ -23,9 +23,13 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
 
+    # exercise[ch04-allocate-slots]: need cdiv(num_computed_tokens + num_new_tokens, block_size) blocks; take only the missing; None if too few free
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens; return the ids of blocks added.
 
+        The request's blocks (`req_to_blocks[request.request_id]`) must cover its
+        `num_computed_tokens + num_new_tokens` tokens afterwards. Only the missing blocks are
+        taken from the pool; the list is empty when the blocks it holds already have room.
         Returns None, allocating nothing, when the pool has too few free blocks.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])

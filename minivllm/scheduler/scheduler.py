@@ -7,7 +7,12 @@ all requests share one token budget (`max_num_batched_tokens`) and a cap on requ
 prompt), then waiting ones in arrival order. When the KV cache runs out of blocks the most
 recently admitted running request is preempted: its blocks are freed and it goes back to the
 front of the queue. When it runs again, its prompt and the tokens it already generated are
-recomputed in one prefill, and it continues exactly where it stopped. Chapter 03 walks through `schedule()` line by line.
+recomputed in one prefill, and it continues exactly where it stopped. Chapter 03 walks through
+`schedule()` and its helpers line by line.
+
+The `# exercise[ch03-...]` comments mark the functions chapter 03's exercises ask a learner to
+rebuild (exercises/README.md). They are called through this module or `self` only, never
+imported by name, so the exercise checker can swap a learner's version in.
 """
 
 from __future__ import annotations
@@ -75,57 +80,84 @@ class Scheduler:
 
     # --8<-- [start:schedule]
     def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=[],
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
         token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_req_ids: set[str] = set()
 
         # 1. Running requests first: each continues its prompt or decodes one token.
+        token_budget = self._schedule_running(output, token_budget)
+        # 2. Then waiting requests, oldest first, while budget, blocks and seats last.
+        #    A step that had to preempt admits nobody: memory is already short.
+        if not output.preempted_req_ids:
+            self._schedule_waiting(output, token_budget)
+
+        # 3. The tokens scheduled now will have K/V once the step ran; count them as computed.
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        return output
+    # --8<-- [end:schedule]
+
+    # --8<-- [start:schedule-running]
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Give each running request, in order, its next tokens; return the token budget left."""
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            while True:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_block_ids is not None:
-                    break
-                # Out of blocks: preempt the most recently admitted request and retry.
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted_req_ids.add(victim.request_id)
-                if victim is request:
-                    break
+            num_new_tokens = num_tokens_to_schedule(request, token_budget, self.config.enable_chunked_prefill)
+            if num_new_tokens == 0:  # nothing of it fits in this step; the requests after it may
+                req_index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, output.preempted_req_ids)
             if new_block_ids is None:  # the request preempted itself; nobody after it runs
                 break
-            cached_reqs.append(
+            output.scheduled_cached_reqs.append(
                 CachedRequestData(request.request_id, False, new_block_ids, request.num_computed_tokens)
             )
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+        return token_budget
+    # --8<-- [end:schedule-running]
 
-        # 2. Then waiting requests, oldest first, while budget, blocks and seats last.
-        # A step that had to preempt admits nobody: memory is already short.
-        while self.waiting and token_budget > 0 and not preempted_req_ids:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+    # --8<-- [start:schedule-waiting]
+    # exercise[ch03-schedule-waiting]: admit the head while seats, budget, blocks last; NewRequestData, or CachedRequestData if resumed
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Admit waiting requests, oldest first; return the token budget left.
+
+        The head of `self.waiting` is admitted when there is a seat (fewer than `max_num_seqs`
+        requests running), `num_tokens_to_schedule` gives it more than 0 tokens, and the KV
+        cache manager finds blocks for them. Otherwise admission stops for this step: a later
+        request never overtakes the head (first come, first served). An admitted request moves
+        to the end of `self.running` with status RUNNING, and its tokens are recorded in
+        `output.num_scheduled_tokens`. What the model runner is sent depends on whether it has
+        seen the request: a new one goes into `output.scheduled_new_reqs` as `NewRequestData`
+        (prompt, sampling params, blocks); one resumed after preemption into
+        `output.scheduled_cached_reqs` as `CachedRequestData` with `resumed_from_preemption=True`,
+        so the runner rebuilds its block table from the new block ids.
+        """
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                break  # must wait for a step with room for its whole prompt
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = num_tokens_to_schedule(request, token_budget, self.config.enable_chunked_prefill)
+            if num_new_tokens == 0:
+                break  # its prompt may not be split and does not fit; wait for a step with room
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
                 break  # not enough free blocks; try again next step
             self.waiting.popleft()
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
-                cached_reqs.append(
+                output.scheduled_cached_reqs.append(
                     CachedRequestData(request.request_id, True, new_block_ids, request.num_computed_tokens)
                 )
             else:
-                new_reqs.append(
+                output.scheduled_new_reqs.append(
                     NewRequestData(
                         request.request_id,
                         request.prompt_token_ids,
@@ -135,28 +167,44 @@ class Scheduler:
                     )
                 )
             request.status = RequestStatus.RUNNING
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            output.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-
-        # 3. The tokens scheduled now will have K/V once the step ran; count them as computed.
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
-        )
-        self.finished_req_ids = set()
-        return output
-    # --8<-- [end:schedule]
+        return token_budget
+    # --8<-- [end:schedule-waiting]
 
     # --8<-- [start:preempt]
+    # exercise[ch03-allocate-or-preempt]: retry allocate_slots; while it fails, preempt the last running request (None if it is this one)
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, preempted_req_ids: set[str]
+    ) -> list[int] | None:
+        """Find blocks for `num_new_tokens` more tokens of the running `request`; preempt if needed.
+
+        While `kv_cache_manager.allocate_slots` says no (None), preempt the running request of
+        lowest priority: with first come, first served, the most recently admitted one, i.e.
+        the last of `self.running`. Take it out of `self.running`, `self._preempt` it, add its
+        id to `preempted_req_ids`, and try again. If the victim was `request` itself, return
+        None: it gets nothing this step. Otherwise return the ids of the blocks added.
+        """
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+
+    # exercise[ch03-preempt]: free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting
     def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: drop the request's K/V; keep its tokens; queue it first."""
+        """Preemption by recompute: drop the request's K/V; keep its tokens; queue it first.
+
+        `request` is already out of `self.running`. Give its blocks back to the KV cache
+        manager; set its status to PREEMPTED and `num_computed_tokens` to 0 (its prompt and the
+        tokens it generated are recomputed when it resumes; its tokens themselves are kept);
+        add one to `request.num_preemptions` and to `self.num_preemptions`; and put it at the
+        front of `self.waiting`, so it is the first to resume.
+        """
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -179,7 +227,7 @@ class Scheduler:
                 continue
             for token_id in token_ids:
                 request.append_output_token(token_id)
-                if self._check_stop(request):
+                if check_stop(request, self.max_model_len):
                     break
             output = EngineCoreOutput(request_id, token_ids)
             if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
@@ -195,21 +243,54 @@ class Scheduler:
             outputs.append(output)
         return outputs
 
-    def _check_stop(self, request: Request) -> bool:
-        params = request.sampling_params
-        last_token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens and last_token_id in params.all_stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM reports the token only for user stop_token_ids; eos has stop_reason None.
-            request.stop_reason = last_token_id if last_token_id in params.stop_token_ids else None
-            return True
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
     # --8<-- [end:update-from-output]
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+
+# --8<-- [start:num-new-tokens]
+# exercise[ch03-num-new-tokens]: num_tokens - num_computed_tokens, cut to the budget; unchunked: 0 unless all fit
+def num_tokens_to_schedule(request: Request, token_budget: int, enable_chunked_prefill: bool) -> int:
+    """How many tokens `request` computes in this step, given the token budget left (> 0).
+
+    A request computes the tokens that have no K/V in the cache yet,
+    `num_tokens - num_computed_tokens`: a whole prompt, the rest of a chunked one, one decode
+    token, or a resumed request's prompt and outputs. With chunked prefill they are cut to
+    `token_budget`. Without it they are never cut: if they do not all fit, the answer is 0 and
+    the request waits for a step with more room.
+    """
+    num_new_tokens = request.num_tokens - request.num_computed_tokens
+    if num_new_tokens > token_budget and not enable_chunked_prefill:
+        return 0
+    return min(num_new_tokens, token_budget)
+# --8<-- [end:num-new-tokens]
+
+
+# --8<-- [start:check-stop]
+# exercise[ch03-check-stop]: stop token only from min_tokens on (stop_reason: its id, None for eos); then max_tokens, max_model_len
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Right after a token was appended: is `request` finished? If so, set its status.
+
+    - The last token is a stop token (`sampling_params.all_stop_token_ids`: the model's eos
+      ids unless `ignore_eos`, plus the user's `stop_token_ids`) and the request has at least
+      `min_tokens` output tokens: FINISHED_STOPPED. `request.stop_reason` is the token id when
+      it is one of the user's `stop_token_ids`, and None for eos (as vLLM reports it).
+    - Otherwise, when it has `max_tokens` output tokens, or `max_model_len` tokens in all:
+      FINISHED_LENGTH_CAPPED.
+
+    Returns True when the request finished.
+    """
+    params = request.sampling_params
+    last_token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens and last_token_id in params.all_stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last_token_id if last_token_id in params.stop_token_ids else None
+        return True
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+# --8<-- [end:check-stop]

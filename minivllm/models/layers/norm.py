@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.models.layers.custom_ops import call_kernel, use_triton_ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     orig_dtype = x.dtype
@@ -18,6 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x * weight.float()).to(orig_dtype)
 
 
+# --8<-- [start:rms-norm-layer]
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -27,8 +30,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton_ops(x):
+            out, new_residual = call_kernel("fused_add_rms_norm", x, residual, self.weight, self.eps)
+            return out if residual is None else (out, new_residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         # The sum is kept in the model's dtype, as HF does, so results match it bit for bit.
         residual = x + residual
         return rms_norm(residual, self.weight, self.eps), residual
+# --8<-- [end:rms-norm-layer]

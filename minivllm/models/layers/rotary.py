@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.models.layers.custom_ops import call_kernel, use_triton_ops
+
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a config of transformers 4.x or 5.x."""
@@ -61,7 +63,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, heads, head_dim], key [T, kv_heads, head_dim] → rotated copies."""
+        """query [T, heads, head_dim], key [T, kv_heads, head_dim] → rotated (copies, or in place on CUDA)."""
+        if use_triton_ops(query):
+            return call_kernel("rotary_embedding", positions, query, key, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, head_dim / 2]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

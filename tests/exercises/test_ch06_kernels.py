@@ -1,0 +1,271 @@
+"""Chapter 06 exercises: three Triton kernels, run by Triton's interpreter on the CPU.
+
+- `ch06-fused-add-rms-norm`: the body of `_fused_add_rms_norm_kernel` (one row per program).
+- `ch06-reshape-and-cache-kernel`: the body of `_reshape_and_cache_kernel` (one token per program).
+- `ch06-decode-online-softmax`: `_decode_tile`, the online-softmax update of one tile of
+  paged decode attention; `_decode_partial_kernel` loads the tiles and calls it.
+
+Every size is chosen to be awkward: rows whose width is not a power of two (so the last
+lanes of a block must be masked), K/V rows of 60 elements in a 64-lane block, contexts
+shorter than one tile, exactly one tile, and several tiles with a partial last one, GQA
+groups of 3, 4 and 8 query heads per KV head. Memory a kernel must not touch is filled with
+NaN (guard columns beside each row, cache slots nobody owns), so a load without its mask
+poisons the result and a store without its mask is seen.
+
+The RMSNorm tests launch `rms_norm._fused_add_rms_norm_kernel` themselves, the way
+`fused_add_rms_norm` does, so that its outputs can have guards too; the others call the
+launchers (`cache_kernel.reshape_and_cache`, `paged_attention.paged_decode_attention`), which
+find the kernels by their global names at call time. Everything goes through the modules, so
+`minivllm exercise check 06` can swap yours in.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import minivllm.kernels.paged_attention as paged_attention
+import minivllm.kernels.rms_norm as rms_norm
+from minivllm.kernels._utils import next_power_of_2
+
+# Not `import minivllm.kernels.reshape_and_cache as ...`: the package's attribute of that name
+# is the launcher function (kernels/__init__.py imports it), which hides the module.
+cache_kernel = importlib.import_module("minivllm.kernels.reshape_and_cache")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAN = float("nan")
+
+# Under the interpreter a store outside a tensor writes straight into the process's memory and
+# can crash pytest before any result is reported. So the tests give every kernel memory of its
+# own on both sides of what it may touch (NaN "guard" regions), and check that it stayed NaN.
+
+
+def nan_padded(rows: int, width: int, pad: int, generator: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """A [rows, width] view into a buffer whose `pad` columns right of each row are NaN."""
+    buffer = torch.full((rows, width + pad), NAN, dtype=dtype)
+    buffer[:, :width] = torch.randn(rows, width, generator=generator).to(dtype)
+    return buffer.to(DEVICE)[:, :width]
+
+
+# -- ch06-fused-add-rms-norm ------------------------------------------------------------------
+
+
+def run_rms_norm_kernel(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Launch `_fused_add_rms_norm_kernel` as `fused_add_rms_norm` does, into outputs with NaN guards.
+
+    `out` gets guard columns right of each row; the new residual (contiguous rows) gets a
+    guard before its first row and after its last. Returns (out, new residual).
+    """
+    rows, n = x.shape
+    block = next_power_of_2(n)
+    out_buffer = torch.full((rows, n + block), NAN, dtype=x.dtype, device=DEVICE)
+    residual_buffer = torch.full((block + rows * n + block,), NAN, dtype=x.dtype, device=DEVICE)
+    out, residual_out = out_buffer[:, :n], residual_buffer[block : block + rows * n].view(rows, n)
+    residual_in = x if residual is None else residual
+    rms_norm._fused_add_rms_norm_kernel[(rows,)](
+        x, residual_in, weight, out, residual_out, x.stride(0), residual_in.stride(0), out.stride(0), eps,
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+    )
+    assert out_buffer[:, n:].isnan().all(), (
+        f"the kernel stored past the end of a row of out (lanes {n}..{block - 1} of the block): mask tl.store with offs < N"
+    )
+    guards = torch.cat([residual_buffer[:block], residual_buffer[block + rows * n :]])
+    assert guards.isnan().all(), "the kernel stored outside the new residual's rows: mask tl.store with offs < N"
+    if residual is None:
+        assert residual_out.isnan().all(), "with HAS_RESIDUAL False the kernel must not store a residual"
+    return out, residual_out
+
+
+def rms_norm_expected(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
+
+
+def assert_no_nan_read(t: torch.Tensor, what: str) -> None:
+    assert torch.isfinite(t).all(), (
+        f"{what} holds NaN: the kernel read lanes past the end of the row (the guard columns are NaN); "
+        "mask every tl.load with `offs < N` (and give it other=0.0)"
+    )
+
+
+@pytest.mark.exercise("ch06-fused-add-rms-norm")
+@pytest.mark.parametrize(
+    ("rows", "hidden", "dtype"),
+    [
+        pytest.param(3, 10, torch.float32, id="10-of-16-lanes"),
+        pytest.param(5, 100, torch.float32, id="100-of-128-lanes"),
+        pytest.param(2, 257, torch.float16, id="257-of-512-lanes-fp16"),
+    ],
+)
+def test_residual_add_then_rms_norm_on_rows_that_do_not_fill_the_block(rows, hidden, dtype):
+    g = torch.Generator().manual_seed(hidden)
+    pad = next_power_of_2(hidden)  # an unmasked load of the whole block reads guard NaNs only
+    x, residual = nan_padded(rows, hidden, pad, g, dtype), nan_padded(rows, hidden, pad, g, dtype)
+    weight = nan_padded(1, hidden, pad, g, dtype)[0]
+    out, new_residual = run_rms_norm_kernel(x, residual, weight, 1e-6)
+    assert_no_nan_read(new_residual, "the new residual")
+    want_residual = (x.float() + residual.float()).to(dtype)
+    assert torch.equal(new_residual, want_residual), (
+        "row r of the new residual (at residual_out_ptr + r * N) is x + residual, added in float32 and "
+        "rounded to the input dtype"
+    )
+    assert_no_nan_read(out, "the output")
+    want = rms_norm_expected(want_residual, weight, 1e-6)
+    err = ((out.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # float16: a rounding of the last bit
+    assert err < tol, (
+        f"out differs from h / sqrt(mean(h²) + eps) * weight by up to {err:.3g}, with h = x + residual: "
+        "normalize the sum, in float32, divide the sum of squares by N (not BLOCK), and store row r at "
+        "out_ptr + r * out_stride"
+    )
+
+
+@pytest.mark.exercise("ch06-fused-add-rms-norm")
+def test_without_a_residual_the_row_is_only_normalized():
+    g = torch.Generator().manual_seed(0)
+    x = nan_padded(4, 50, 64, g)
+    weight = nan_padded(1, 50, 64, g)[0]
+    out, _ = run_rms_norm_kernel(x, None, weight, 1e-5)
+    assert_no_nan_read(out, "the output")
+    err = (out - rms_norm_expected(x, weight, 1e-5)).abs().max().item()
+    assert err < 1e-5, f"with HAS_RESIDUAL False, out = x / sqrt(mean(x²) + eps) * weight; off by up to {err:.3g}"
+
+
+# -- ch06-reshape-and-cache-kernel ------------------------------------------------------------
+
+
+def guarded_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    """(buffer, cache): a NaN cache [2, num_blocks, ...] with one NaN guard block before and after each half."""
+    buffer = torch.full((2, num_blocks + 2, block_size, num_kv_heads, head_dim), NAN, device=DEVICE)
+    return buffer, buffer[:, 1:-1]
+
+
+def assert_guards_untouched(buffer: torch.Tensor) -> None:
+    assert buffer[:, 0].isnan().all() and buffer[:, -1].isnan().all(), (
+        "the kernel wrote outside the cache: a token whose slot is negative is padding and must write "
+        "nothing (test `slot >= 0`), and stores must be masked with offsets < ROW"
+    )
+
+
+def fused_kv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
+    """key and value as the model hands them over: views into one qkv tensor (rows not adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    # One spare head at the end, so that reading past the last value row stays inside the tensor.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads + 1, head_dim, generator=g).to(DEVICE)
+    return qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads : num_heads + 2 * num_kv_heads]
+
+
+@pytest.mark.exercise("ch06-reshape-and-cache-kernel")
+def test_each_token_lands_in_its_slot_and_no_other_slot_changes():
+    # 3 KV heads of 20: a token's K row has 60 elements, a 64-lane block with 4 lanes masked.
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 5, 3, 20
+    buffer, cache = guarded_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    slots = [17, 0, 9, 29, 4, 5, 13, 22]  # out of order, across blocks, the first and last slot of the cache
+    key, value = fused_kv(len(slots), 6, num_kv_heads, head_dim, seed=2)
+    cache_kernel.reshape_and_cache(key, value, cache, torch.tensor(slots, device=DEVICE))
+    assert_guards_untouched(buffer)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots] = True
+    untouched = cache.flatten(1, 2)[:, ~written.to(DEVICE)]
+    assert untouched.isnan().all(), (
+        "a slot that is not in slot_mapping changed: mask the stores with offsets < ROW, so that "
+        "the lanes past a token's ROW elements do not spill into the next slot"
+    )
+    for t, slot in enumerate(slots):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(cache[0, block, offset], key[t]), (
+            f"slot {slot} (block {block}, offset {offset}) should hold token {t}'s key: store it at "
+            "cache_ptr + slot * ROW, read from key_ptr + t * key_stride (key is a view into qkv: its rows are "
+            "key_stride apart, not ROW)"
+        )
+        assert torch.equal(cache[1, block, offset], value[t]), (
+            f"slot {slot} of the V half (cache_kv_stride elements after the K half) should hold token {t}'s value"
+        )
+
+
+@pytest.mark.exercise("ch06-reshape-and-cache-kernel")
+def test_a_padding_token_with_slot_minus_one_writes_nothing():
+    # CUDA graphs run padded batches: the padding tokens have slot -1 and must not be written.
+    buffer, cache = guarded_cache(2, 4, 1, 16)
+    key, value = fused_kv(4, 2, 1, 16, seed=3)
+    cache_kernel.reshape_and_cache(key, value, cache, torch.tensor([-1, 6, -1, -1], device=DEVICE))
+    assert_guards_untouched(buffer)
+    assert torch.equal(cache[0, 1, 2], key[1]) and torch.equal(cache[1, 1, 2], value[1]), "token 1 belongs at slot 6"
+    assert cache.isnan().sum() == cache.numel() - 2 * 16, "tokens whose slot is negative must write nothing"
+
+
+# -- ch06-decode-online-softmax ---------------------------------------------------------------
+
+
+def decode_problem(seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype, seed: int):
+    """Contiguous K/V per request, the same K/V scattered over a paged cache whose unowned slots are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)  # padded with block 0
+    contexts = []
+    for i, (n, num_blocks_i) in enumerate(zip(seq_lens, blocks_per_seq)):
+        table = [order.pop() for _ in range(num_blocks_i)]
+        block_tables[i, :num_blocks_i] = torch.tensor(table, dtype=torch.int32)
+        kv = torch.randn(2, n, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(n):
+            cache[:, table[p // block_size], p % block_size] = kv[:, p]
+        contexts.append(kv)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return query.to(DEVICE), cache.to(DEVICE), block_tables.to(DEVICE), seq_lens_t.to(DEVICE), contexts
+
+
+def softmax_attention(query: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode query [H, D] against its whole context kv [2, n, H_kv, D], in float64."""
+    group = query.shape[0] // kv.shape[2]
+    key, value = (t.double().repeat_interleave(group, dim=1) for t in kv)  # [n, H, D]
+    weights = (torch.einsum("hd,nhd->hn", query.double(), key) * scale).softmax(-1)
+    return torch.einsum("hn,nhd->hd", weights, value)
+
+
+@pytest.mark.exercise("ch06-decode-online-softmax")
+@pytest.mark.parametrize(
+    ("seq_lens", "num_kv_heads", "group", "num_splits", "dtype", "advice"),
+    [
+        pytest.param([5, 11], 2, 4, 1, torch.float32,
+                     "every context is shorter than one 16-token tile: tokens where n_mask is False must get "
+                     "score -inf (weight 0)", id="shorter-than-a-tile"),
+        pytest.param([16, 32], 1, 8, 1, torch.float32,
+                     "the contexts are whole tiles, 8 query heads share the KV head: check s = q·kᵀ * scale, "
+                     "p = exp2(s - m_new), l_i += Σp, acc += p·v", id="whole-tiles"),
+        pytest.param([37, 70, 3], 2, 3, 1, torch.float32,
+                     "these contexts span several tiles: when the max grows, the old acc and l_i must be "
+                     "multiplied by exp2(m_i - m_new) before the tile's terms are added", id="several-tiles"),
+        pytest.param([91, 50], 2, 4, 3, torch.float32,
+                     "the context is split in 3 and the splits are merged with their (m_i, l_i): return the "
+                     "running max as m_i and Σ exp2(s - m_i) as l_i, acc not divided by l_i", id="split-k"),
+        pytest.param([29, 40], 2, 2, 2, torch.float16,
+                     "half precision: cast p to v's dtype before tl.dot(p, v); acc, m_i and l_i stay float32",
+                     id="fp16"),
+    ],
+)
+def test_paged_decode_attention_equals_softmax_attention(seq_lens, num_kv_heads, group, num_splits, dtype, advice):
+    head_dim, block_size, tile = 24, 8, 16  # head_dim 24 of a 32-lane block; two cache blocks per tile
+    query, cache, block_tables, seq_lens_t, contexts = decode_problem(
+        seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=sum(seq_lens)
+    )
+    scale = head_dim**-0.5
+    out = paged_attention.paged_decode_attention(
+        query, cache, block_tables, seq_lens_t, scale, num_splits=num_splits, block_n=tile
+    )
+    assert out.shape == query.shape
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    for i, n in enumerate(seq_lens):
+        want = softmax_attention(query[i].cpu(), contexts[i], scale)
+        got = out[i].cpu().double()
+        assert torch.isfinite(got).all(), (
+            f"request {i} (context {n}): the output holds NaN or inf. The state starts as m_i = -inf, l_i = 0, "
+            "acc = 0: return the new maximum as m_i, and never compute -inf - (-inf) or 0 * inf"
+        )
+        err = (got - want).abs().max().item()
+        assert err < tol, f"request {i} (context {n} tokens): off by up to {err:.3g} from softmax attention; {advice}"
