@@ -55,6 +55,7 @@ def process_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_startup_failure_in_the_core_is_a_clear_error_and_leaves_nothing(text_model, private_tmp):
     # One block cannot hold a request of max_model_len tokens: EngineCore refuses to start,
     # inside the core process, after loading the model.
@@ -74,6 +75,7 @@ def test_a_core_that_does_not_report_ready_in_time_is_stopped(text_model, privat
     assert not engine_processes() and not list(private_tmp.iterdir())
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_an_exception_in_a_step_kills_the_engine_with_its_traceback(text_model, private_tmp):
     config = EngineArgs(model=str(text_model), skip_tokenizer_init=True, **ENGINE_KWARGS).create_engine_config()
     client = EngineCoreClient.make_client(multiprocess_mode=True, asyncio_mode=False, config=config)
@@ -90,6 +92,7 @@ def test_an_exception_in_a_step_kills_the_engine_with_its_traceback(text_model, 
     assert not client.process.is_alive() and not list(private_tmp.iterdir())
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_killing_the_core_mid_stream_fails_every_stream_within_5_s(text_model, private_tmp):
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(text_model), **ENGINE_KWARGS))
     pid = engine.engine_core.process.pid
@@ -121,6 +124,7 @@ def test_killing_the_core_mid_stream_fails_every_stream_within_5_s(text_model, p
     assert not list(private_tmp.iterdir()), "no socket file may be left"
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_the_offline_path_runs_without_pyzmq_and_msgspec(text_model):
     script = textwrap.dedent(f"""
         import sys

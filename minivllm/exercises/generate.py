@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minivllm.exercises import REPO_ROOT
-from minivllm.exercises.markers import Exercise, exercises_by_chapter
+from minivllm.exercises.markers import AST_PARSE_LOCK, Exercise, exercises_by_chapter
 
 
 class SkeletonError(ValueError):
@@ -120,7 +120,8 @@ class _Source:
     @classmethod
     def read(cls, root: Path, exercise: Exercise) -> _Source:
         text = (root / exercise.file).read_text(encoding="utf-8")
-        tree = ast.parse(text)
+        with AST_PARSE_LOCK:  # see markers.py
+            tree = ast.parse(text)
         functions = {}
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -12,9 +12,13 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 from minivllm.exercises import REPO_ROOT
+
+# CPython 3.11's parser is not thread-safe (gh-106905); the checks parse from two threads.
+AST_PARSE_LOCK = threading.Lock()
 
 MARKER = re.compile(r"^\s*#\s*exercise\[(?P<id>[^\]]*)\]\s*:?\s*(?P<hint>.*?)\s*$")
 EXERCISE_ID = re.compile(r"^ch(?P<chapter>\d\d)-[a-z0-9]+(?:-[a-z0-9]+)*$")
@@ -96,7 +100,8 @@ def _exercises_in_file(source: str, relative: Path, module: str, errors: list[st
     lines = source.splitlines()
     # The first line of every def we can exercise (its first decorator, else the `def`).
     defs: dict[int, tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
-    tree = ast.parse(source, filename=str(relative))
+    with AST_PARSE_LOCK:  # CPython 3.11's parser is not thread-safe (gh-106905)
+        tree = ast.parse(source, filename=str(relative))
     for node, qualname in _functions(tree):
         first_line = min([node.lineno, *(d.lineno for d in node.decorator_list)])
         defs[first_line] = (qualname, node)
