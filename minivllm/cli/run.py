@@ -76,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     seconds = time.perf_counter() - start
-    core = engine.engine_core
+    stats = engine.get_stats()  # works whether the core runs here or in its own process
     print(
         f"\n{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tokens/s; "
-        f"{core.num_steps} engine steps; peak KV blocks used {core.peak_num_blocks_used}/{config.cache_config.num_gpu_blocks}; "
-        f"preemptions {core.scheduler.num_preemptions}"
+        f"{stats.num_steps} engine steps; peak KV blocks used {stats.peak_num_blocks_used}/{stats.num_gpu_blocks}; "
+        f"preemptions {stats.num_preemptions}"
     )
     return 0
 
