@@ -94,33 +94,33 @@ class EngineCoreClient:
     # Blocking calls: InprocClient, SyncMPClient.
     def get_output(self) -> list[EngineCoreOutput]:
         """The outputs of the core's next step (in-process: run that step now)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     def get_stats(self) -> EngineCoreStats:
         """A utility call: answered by the core between two steps."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     # The same, for an event loop: AsyncMPClient.
     async def get_output_async(self) -> list[EngineCoreOutput]:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     async def get_stats_async(self) -> EngineCoreStats:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 
     def shutdown(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each client mode implements it
 # --8<-- [end:client-interface]
 
     def __getattr__(self, name: str) -> Any:
