@@ -62,10 +62,12 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        # Slice each part on its own: concatenating them would copy the whole sequence on
+        # every decode step of every request.
         num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        head = self.prompt_token_ids[start:end] if start < num_prompt else []
+        tail = self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
+        return head + tail
 
 
 class ModelRunner:
