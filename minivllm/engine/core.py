@@ -8,6 +8,7 @@ moves it into a process of its own (`core_proc.py`), behind the same methods.
 from __future__ import annotations
 
 import logging
+import time
 
 from minivllm.config import EngineConfig
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
@@ -40,6 +41,7 @@ class EngineCore:
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
         self.peak_num_blocks_used = 0
+        self.busy_seconds = 0.0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -60,19 +62,23 @@ class EngineCore:
             num_steps=self.num_steps,
             peak_num_blocks_used=self.peak_num_blocks_used,
             num_preemptions=self.scheduler.num_preemptions,
+            busy_seconds=self.busy_seconds,
         )
 
     # --8<-- [start:step]
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         self.last_scheduler_output = scheduler_output
         self.num_steps += 1
         manager = self.scheduler.kv_cache_manager
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, manager.block_pool.num_blocks - manager.num_free_blocks)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.busy_seconds += time.perf_counter() - start
+        return outputs
     # --8<-- [end:step]
 
     def shutdown(self) -> None:

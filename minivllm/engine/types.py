@@ -53,3 +53,6 @@ class EngineCoreStats:
     num_steps: int
     peak_num_blocks_used: int
     num_preemptions: int
+    # Seconds spent inside EngineCore.step() since start: against the wall clock it says how
+    # busy the core was (chapter 02 compares the two client modes with it).
+    busy_seconds: float = 0.0
