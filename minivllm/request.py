@@ -13,10 +13,12 @@ import enum
 import time
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # structured output: its grammar is compiling (chapter 11)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished; `is_finished` relies on that order.
@@ -59,6 +61,11 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Structured output (chapter 11): the grammar, and a wait until it is compiled.
+        self.structured_output_request: StructuredOutputRequest | None = None
+        if sampling_params.structured_outputs is not None:
+            self.structured_output_request = StructuredOutputRequest(sampling_params.structured_outputs)
+            self.status = RequestStatus.WAITING_FOR_FSM
 
     @property
     def num_prompt_tokens(self) -> int:

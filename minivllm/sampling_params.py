@@ -11,8 +11,10 @@ Chapter 01 (architecture) shows where these travel; the sampler that obeys them 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_TEMPERATURE = 1e-5
@@ -30,6 +32,68 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # the whole text so far, every time
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+# --8<-- [start:structured-outputs-params]
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language: set exactly one field (vLLM's name and fields).
+
+    - `json`: a JSON schema (a dict, or its text); the output is JSON that validates against it.
+    - `regex`: the output matches this regular expression, whole.
+    - `choice`: the output is exactly one of these strings.
+    - `grammar`: an EBNF grammar in xgrammar's dialect (GBNF-like, starting at `root`).
+    - `json_object`: True: the output is any JSON object (OpenAI's `response_format: json_object`).
+
+    The docs page `docs/chapters/11-structured-output.md` explains how a grammar becomes a
+    token mask.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(chosen) if chosen else 'none'}"
+            )
+        kind = chosen[0]
+        value = getattr(self, kind)
+        if kind == "json" and not (isinstance(value, dict) or (isinstance(value, str) and value.strip())):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (dict or non-empty str), got {value!r}")
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise ValueError(f"StructuredOutputsParams.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {value!r}")
+            self.choice = list(value)
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True when set, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The set field as one canonical string; (kind, spec) is the grammar cache's key."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return value
+        if value is True:
+            return ""
+        # A dict schema or a choice list: sorted keys, so equal schemas share one cache entry.
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+# --8<-- [end:structured-outputs-params]
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -54,6 +118,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, regex, choice or grammar (chapter 11).
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Filled in by the engine, not by the user: every token id that ends the request
     # (eos ids from generation_config.json plus stop_token_ids), unless ignore_eos.
@@ -109,6 +175,8 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "StructuredOutputsParams or None")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -15,7 +15,7 @@ msgspec = pytest.importorskip("msgspec", reason="the multi-process engine needs 
 
 from minivllm.engine import serial_utils as su  # noqa: E402
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCoreStats  # noqa: E402
-from minivllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def every_field_set_params() -> SamplingParams:
@@ -26,6 +26,7 @@ def every_field_set_params() -> SamplingParams:
         ignore_eos=True, max_tokens=77, min_tokens=3, logprobs=5, include_stop_str_in_output=True,
         skip_special_tokens=False, spaces_between_special_tokens=False, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=StructuredOutputsParams(json={"type": "object", "required": ["a"]}),
     )
     params.all_stop_token_ids = {7, 8, 2}  # the engine adds the eos id (2) to the user's ids
     defaults = SamplingParams()

@@ -2,8 +2,8 @@
 
 Everything that can be wrong with a request is caught here, before the engine sees it: an
 empty or too-long prompt, token ids outside the vocabulary, sampling parameters the engine
-cannot honour. The error is a `ValueError` that names the problem; the engine and the other
-requests are untouched. Chapter 01 shows where this sits on the request path.
+cannot honour, a JSON schema or grammar that does not compile. The error is a `ValueError`
+that names the problem; the engine and the other requests are untouched. Chapter 01 shows where this sits on the request path.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from minivllm.config import EngineConfig
 from minivllm.engine.types import EngineCoreRequest
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import validate_structured_outputs
 
 # Prompt forms accepted, as in vLLM: a string, {"prompt": str}, {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any]
@@ -69,6 +70,9 @@ class Processor:
             raise ValueError(f"logprobs={params.logprobs} is more than the maximum of {MAX_LOGPROBS}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
+        if params.structured_outputs is not None:
+            # Build the grammar now: a bad schema, regex or grammar is this request's ValueError.
+            validate_structured_outputs(params.structured_outputs, self.tokenizer)
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = max(1, self.model_config.max_model_len - num_prompt_tokens)

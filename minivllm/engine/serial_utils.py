@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -47,7 +47,15 @@ class EngineCoreRequestType(bytes, enum.Enum):
 # --8<-- [start:wire-types]
 # The sampling parameters' wire type is derived from the dataclass, field by field, so the two
 # cannot drift apart when SamplingParams grows a field. array_like: fields by position, no names.
-_PARAM_TYPES = typing.get_type_hints(SamplingParams)
+# StructuredOutputsParams travels the same way, as a struct of its fields: decoded without its
+# __post_init__, and rebuilt (so validated) in `request_from_wire`, where an error fails only
+# its own request.
+StructuredOutputsStruct = msgspec.defstruct(
+    "StructuredOutputsStruct",
+    [(f.name, t) for f, t in zip(fields(StructuredOutputsParams), typing.get_type_hints(StructuredOutputsParams).values())],
+    array_like=True,
+)
+_PARAM_TYPES = typing.get_type_hints(SamplingParams) | {"structured_outputs": StructuredOutputsStruct | None}
 SamplingParamsStruct = msgspec.defstruct(
     "SamplingParamsStruct", [(f.name, _PARAM_TYPES[f.name]) for f in fields(SamplingParams)], array_like=True
 )
@@ -101,7 +109,11 @@ HandshakeMessage = EngineCoreReady | EngineCoreStartupFailed
 # --8<-- [start:converters]
 def request_to_wire(request: EngineCoreRequest) -> EngineCoreRequestStruct:
     params = request.sampling_params
-    wire_params = SamplingParamsStruct(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)})
+    values = {f.name: getattr(params, f.name) for f in fields(SamplingParams)}
+    if params.structured_outputs is not None:
+        so = params.structured_outputs
+        values["structured_outputs"] = StructuredOutputsStruct(*(getattr(so, f.name) for f in fields(so)))
+    wire_params = SamplingParamsStruct(**values)
     return EngineCoreRequestStruct(request.request_id, request.prompt_token_ids, wire_params, request.arrival_time)
 
 
@@ -109,6 +121,8 @@ def request_from_wire(struct: EngineCoreRequestStruct) -> EngineCoreRequest:
     """Rebuild the request; raises ValueError (naming the field) if its parameters are invalid."""
     values = msgspec.structs.asdict(struct.sampling_params)
     all_stop_token_ids = values.pop("all_stop_token_ids")
+    if values["structured_outputs"] is not None:
+        values["structured_outputs"] = StructuredOutputsParams(**msgspec.structs.asdict(values["structured_outputs"]))
     params = SamplingParams(**values)  # __post_init__ validates again, here in the core
     params.all_stop_token_ids = set(all_stop_token_ids)  # the engine's own field: restore it
     return EngineCoreRequest(struct.request_id, struct.prompt_token_ids, params, struct.arrival_time)
