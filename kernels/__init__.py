@@ -21,6 +21,8 @@ from minivllm.kernels.paged_attention import (
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    prefill_block_m,
+    prefill_tiles,
 )
 from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference

@@ -266,8 +266,8 @@ def _prefill_kernel(
 ):
     # One program: BLOCK_M query tokens of one request × the GROUP query heads that share one
     # KV head, packed as BLOCK_M * GROUP_PAD rows, so each K/V tile is loaded once per group.
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     tile_start = tl.load(tile_start_ptr + tile)
     q_begin = tl.load(query_start_loc_ptr + seq)
@@ -307,31 +307,55 @@ def _prefill_kernel(
 # --8<-- [end:prefill-kernel]
 
 
+PREFILL_BLOCK_ROWS = 128  # packed query rows (tokens × group heads) per prefill program
+
+
+def prefill_block_m(num_heads: int, num_kv_heads: int, block_rows: int = PREFILL_BLOCK_ROWS) -> int:
+    """Query tokens per prefill program: `block_rows` packed rows hold this many tokens × the group."""
+    return max(1, block_rows // next_power_of_2(num_heads // num_kv_heads))
+
+
+def prefill_tiles(query_lens_cpu: list[int], seq_lens_cpu: list[int], block_m: int, device: torch.device) -> torch.Tensor:
+    """The prefill grid's tiles, [2, num_tiles] int32 (request index; first query token), most work first.
+
+    Under the causal mask a tile's work grows with the position of its queries, and the GPU
+    starts programs in launch order: launching the heaviest first keeps the last wave short.
+    """
+    tiles_by_work = []
+    for seq, query_len in enumerate(query_lens_cpu):
+        num_cached = seq_lens_cpu[seq] - query_len
+        for start in range(0, query_len, block_m):
+            tiles_by_work.append((num_cached + start, seq, start))
+    tiles_by_work.sort(reverse=True)
+    tiles = [[seq for _, seq, _ in tiles_by_work], [start for _, _, start in tiles_by_work]]
+    return torch.tensor(tiles, dtype=torch.int32).view(2, -1).to(device, non_blocking=True)
+
+
 def paged_prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, query_lens_cpu: list[int] | None = None,
-    block_rows: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
+    seq_lens_cpu: list[int] | None = None, tiles: torch.Tensor | None = None,
+    block_rows: int = PREFILL_BLOCK_ROWS, block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
 ) -> torch.Tensor:
     # Defaults from the same sweep: 128 packed query rows x 128 keys per tile, 8 warps,
     # 3 stages: 313 TFLOP/s causal at 4k tokens (SDPA flash 273 in that run).
+    # `tiles` (from `prefill_tiles`) may be passed in: the backend builds them once per step.
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    block_m = max(1, block_rows // group_pad)  # query tokens per program
-    if query_lens_cpu is None:
-        query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    # One program per (tile of BLOCK_M query tokens of one request, KV head): list the tiles.
-    tile_seq, tile_start = [], []
-    for seq, query_len in enumerate(query_lens_cpu):
-        for start in range(0, query_len, block_m):
-            tile_seq.append(seq)
-            tile_start.append(start)
+    block_m = prefill_block_m(num_heads, num_kv_heads, block_rows)  # query tokens per program
     out = torch.empty_like(query)
-    if not tile_seq:
+    if tiles is None:
+        if query_lens_cpu is None:
+            query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        if seq_lens_cpu is None:  # a device sync: the backend passes host copies
+            seq_lens_cpu = seq_lens.tolist()
+        tiles = prefill_tiles(query_lens_cpu, seq_lens_cpu, block_m, query.device)
+    if tiles.shape[1] == 0:
         return out
-    tiles = torch.tensor([tile_seq, tile_start], dtype=torch.int32).to(query.device, non_blocking=True)
-    _prefill_kernel[(len(tile_seq), num_kv_heads)](
+    # The KV head is the fastest-moving grid axis, so every head of a heavy tile starts early.
+    _prefill_kernel[(num_kv_heads, tiles.shape[1])](
         query, kv_cache, block_tables, seq_lens, query_start_loc, tiles[0], tiles[1], out,
         scale * LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), num_kv_heads * head_dim, block_tables.stride(0),

@@ -162,3 +162,14 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attention_backend("triton", torch.device("cpu"))
+
+
+def test_prefill_tiles_cover_every_query_once_heaviest_first():
+    from minivllm.kernels import prefill_tiles
+
+    # Request 0: a 70-token prompt; request 1: a 20-token chunk after 100 cached tokens.
+    tiles = prefill_tiles([70, 20], [70, 120], 32, torch.device("cpu")).tolist()
+    pairs = list(zip(*tiles))
+    assert sorted(pairs) == [(0, 0), (0, 32), (0, 64), (1, 0)]
+    # Work grows with the position of a tile's queries: 100 cached + 0, then 64, 32, 0.
+    assert pairs == [(1, 0), (0, 64), (0, 32), (0, 0)]

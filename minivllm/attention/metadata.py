@@ -9,7 +9,7 @@ token t's K/V go: `block_id * block_size + offset`. Chapter 04 draws this pictur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class AttentionMetadata:
     # Host copies for backends that loop in Python (the torch reference backend).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend derives from this step's layout once and reuses in every layer (the
+    # Triton backend's list of prefill tiles).
+    backend_cache: dict = field(default_factory=dict)
 # --8<-- [end:attention-metadata]
 
     @property

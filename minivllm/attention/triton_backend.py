@@ -43,10 +43,16 @@ class TritonAttentionBackend:
                 max_seq_len=max(meta.seq_lens_cpu[:d]),
             )
         if d < meta.num_reqs:
-            query_lens = [meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i] for i in range(d, meta.num_reqs)]
+            if "prefill_tiles" not in meta.backend_cache:  # the same for every layer of this step
+                query_lens = [meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i] for i in range(d, meta.num_reqs)]
+                block_m = self.kernels.prefill_block_m(query.shape[1], kv_cache.shape[3])
+                meta.backend_cache["prefill_tiles"] = self.kernels.prefill_tiles(
+                    query_lens, meta.seq_lens_cpu[d:], block_m, query.device
+                )
+                meta.backend_cache["prefill_query_start_loc"] = meta.query_start_loc[d:] - d
             output[d:n] = call(
                 "paged_prefill_attention", query[d:n], kv_cache, meta.block_tables[d:], meta.seq_lens[d:],
-                meta.query_start_loc[d:] - d, scale, query_lens_cpu=query_lens,
+                meta.backend_cache["prefill_query_start_loc"], scale, tiles=meta.backend_cache["prefill_tiles"],
             )
         return output
     # --8<-- [end:triton-attention-forward]

@@ -64,7 +64,7 @@ def bench_prefill(tokens=4096, heads=32, kv_heads=8, head_dim=128, block_size=16
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     q = torch.randn(tokens, heads, head_dim, dtype=dt, device="cuda")
     flops = 4 * tokens * tokens * heads * head_dim / 2  # causal: half the score matrix
-    t_kernel = _ms(lambda: paged_prefill_attention(q, kv, bt, sl, qsl, head_dim**-0.5, query_lens_cpu=[tokens]))
+    t_kernel = _ms(lambda: paged_prefill_attention(q, kv, bt, sl, qsl, head_dim**-0.5, query_lens_cpu=[tokens], seq_lens_cpu=[tokens]))
     qt = q.transpose(0, 1)[None]
     k = torch.randn(1, kv_heads, tokens, head_dim, dtype=dt, device="cuda").repeat_interleave(heads // kv_heads, 1)
     v = torch.randn_like(k)
