@@ -81,7 +81,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may use in all
     num_gpu_blocks_override: int | None = None  # skip sizing, use exactly this many blocks
     cpu_kv_cache_gb: float = 1.0  # KV budget when the model runs on the CPU
+    enable_prefix_caching: bool = True  # reuse the K/V of shared prompt prefixes (chapter 04)
+    kv_offloading_size: float = 0.0  # GiB of CPU memory for evicted cached blocks; 0: no CPU tier
     num_gpu_blocks: int | None = None  # decided at start-up by the worker
+    num_cpu_blocks: int = 0  # decided at start-up from kv_offloading_size
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -92,6 +95,12 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_size > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size > 0 needs enable_prefix_caching: the CPU tier finds blocks by their hash"
+            )
 # --8<-- [end:cache-config]
 
 
@@ -104,8 +113,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # the token budget of one step
     enable_chunked_prefill: bool = True  # may a prompt be split across steps?
     max_model_len: int = 2048  # prompt + output tokens of one request
+    # What preemption does with the victim's K/V: "recompute" frees its blocks (the cached
+    # ones stay findable until evicted); "swap" also copies them to the CPU tier at once.
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -166,6 +180,10 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.scheduler_config.preemption_mode == "swap" and self.cache_config.kv_offloading_size <= 0:
+            raise ValueError("preemption_mode='swap' needs a CPU tier to swap to: set kv_offloading_size (GiB) > 0")
 # --8<-- [end:engine-config]
 
 

@@ -5,6 +5,10 @@ so far) and `num_computed_tokens` (how many of those already have K/V in the cac
 gives a request up to `num_tokens - num_computed_tokens` new tokens. A fresh prompt, a prompt
 split into chunks, a decode step (one new token) and a request resumed after preemption are
 all the same rule. Chapter 03 (scheduler) is built on this file.
+
+For prefix caching (chapter 04) a request also carries the hashes of its full blocks, kept
+across preemption, and what else its K/V depend on (`block_hash_inputs`: LoRA, multimodal
+inputs, `cache_salt`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 
+from minivllm.kv_cache.block_hash import BlockHash, BlockHashInputs
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.request import StructuredOutputRequest
 
@@ -50,6 +55,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -61,6 +67,11 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Prefix caching: the hashes of the full blocks so far (extended by the KV cache
+        # manager), and the prompt tokens found in the cache at first admission (-1: not yet).
+        self.block_hash_inputs = BlockHashInputs(cache_salt=cache_salt)
+        self.block_hashes: list[BlockHash] = []
+        self.num_cached_tokens = -1
         # Structured output (chapter 11): the grammar, and a wait until it is compiled.
         self.structured_output_request: StructuredOutputRequest | None = None
         if sampling_params.structured_outputs is not None:

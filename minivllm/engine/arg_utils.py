@@ -41,6 +41,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    kv_offloading_size: float = 0.0  # GiB of CPU memory for offloaded KV blocks (0: none)
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (needs kv_offloading_size > 0)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -82,12 +85,15 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 cpu_kv_cache_gb=self.cpu_kv_cache_gb,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_offloading_size=self.kv_offloading_size,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=max_model_len,
+                preemption_mode=self.preemption_mode,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size),
             device_config=device_config,

@@ -215,6 +215,11 @@ class AsyncLLM:
         self._ensure_alive()
         return await self.engine_core.get_stats_async()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (chapter 04); False while requests hold blocks."""
+        self._ensure_alive()
+        return await self.engine_core.reset_prefix_cache_async()
+
     def shutdown(self) -> None:
         """Stop the core process; streams still waiting raise EngineDeadError."""
         if self.output_handler is not None and not self.output_handler.done():

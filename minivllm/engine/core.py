@@ -13,7 +13,7 @@ import time
 from minivllm.config import EngineConfig
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from minivllm.executor.uniproc_executor import UniProcExecutor
-from minivllm.kv_cache.manager import KVCacheManager, cdiv
+from minivllm.kv_cache.manager import cdiv, make_kv_cache_manager, prefix_cache_stats
 from minivllm.request import RequestStatus
 from minivllm.scheduler.output import SchedulerOutput
 from minivllm.scheduler.scheduler import Scheduler
@@ -36,7 +36,7 @@ class EngineCore:
             )
         config.cache_config.num_gpu_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, KVCacheManager(num_blocks, block_size))
+        self.scheduler = Scheduler(config.scheduler_config, make_kv_cache_manager(config, num_blocks))
         # Statistics for `minivllm run` and, later, the metrics endpoint.
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
@@ -63,7 +63,12 @@ class EngineCore:
             peak_num_blocks_used=self.peak_num_blocks_used,
             num_preemptions=self.scheduler.num_preemptions,
             busy_seconds=self.busy_seconds,
+            **prefix_cache_stats(manager),
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (GPU and CPU tier); False, changing nothing, while requests run."""
+        return self.scheduler.reset_prefix_cache()
 
     # --8<-- [start:step]
     def step(self) -> list[EngineCoreOutput]:

@@ -106,6 +106,10 @@ class EngineCoreClient:
         """A utility call: answered by the core between two steps."""
         raise NotImplementedError  # abstract: each client mode implements it
 
+    def reset_prefix_cache(self) -> bool:
+        """A utility call: forget every cached KV block; False while requests hold blocks."""
+        raise NotImplementedError  # abstract: each client mode implements it
+
     # The same, for an event loop: AsyncMPClient.
     async def get_output_async(self) -> list[EngineCoreOutput]:
         raise NotImplementedError  # abstract: each client mode implements it
@@ -117,6 +121,9 @@ class EngineCoreClient:
         raise NotImplementedError  # abstract: each client mode implements it
 
     async def get_stats_async(self) -> EngineCoreStats:
+        raise NotImplementedError  # abstract: each client mode implements it
+
+    async def reset_prefix_cache_async(self) -> bool:
         raise NotImplementedError  # abstract: each client mode implements it
 
     def shutdown(self) -> None:
@@ -154,6 +161,9 @@ class InprocClient(EngineCoreClient):
 
     def get_stats(self) -> EngineCoreStats:
         return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -361,6 +371,9 @@ class SyncMPClient(MPClient):
     def get_stats(self) -> EngineCoreStats:
         return msgspec.convert(self.call_utility("get_stats"), EngineCoreStats)
 
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
 
 class AsyncMPClient(MPClient):
     """`async` calls to a core in another process: `AsyncLLM`. Use it from one event loop."""
@@ -405,6 +418,9 @@ class AsyncMPClient(MPClient):
 
     async def get_stats_async(self) -> EngineCoreStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), EngineCoreStats)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return bool(await self.call_utility_async("reset_prefix_cache"))
 
 
 # --8<-- [start:read-outputs]

@@ -56,7 +56,7 @@ logger = logging.getLogger("minivllm")
 # Every front end knows the core by this identity on its ROUTER socket (vLLM: the engine index).
 ENGINE_IDENTITY = (0).to_bytes(2, "little")
 # The utility calls a front end may make: a closed list, never an arbitrary attribute name.
-UTILITY_METHODS = frozenset({"get_stats", "ping"})
+UTILITY_METHODS = frozenset({"get_stats", "ping", "reset_prefix_cache"})
 
 
 def error_outputs(request_ids: list[str], error: str) -> EngineCoreOutputs:
@@ -144,6 +144,9 @@ class EngineCoreProc:
 
     def ping(self) -> str:
         return "pong"
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
 
     # -- the IO threads -------------------------------------------------------------------------
 

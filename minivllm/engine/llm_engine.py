@@ -80,7 +80,10 @@ class LLMEngine:
             if child_params.seed is not None:
                 child_params.seed += index  # distinct but reproducible samples, as vLLM does
             children.append(
-                EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids, child_params, request.arrival_time)
+                EngineCoreRequest(
+                    f"{index}_{request_id}", request.prompt_token_ids, child_params, request.arrival_time,
+                    cache_salt=request.cache_salt,
+                )
             )
         return PreparedRequest(request_id, prompt_text, children, parent)
 
@@ -122,6 +125,10 @@ class LLMEngine:
     def get_stats(self) -> EngineCoreStats:
         """Blocks, steps, queues of the core, in either mode (a utility call when it is remote)."""
         return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (chapter 04); False, changing nothing, while requests run."""
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine core (and its process, if it has one)."""

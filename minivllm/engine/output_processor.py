@@ -68,6 +68,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache supplied (from the core)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
@@ -117,6 +118,7 @@ class OutputProcessor:
             if state.metrics.first_token_time is None and out.new_token_ids:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
+            state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids += out.new_token_ids
             self._update_logprobs(state, out)
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
@@ -178,7 +180,8 @@ class OutputProcessor:
         parent = state.parent
         if parent is None:
             return RequestOutput(
-                state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, state.metrics
+                state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, state.metrics,
+                num_cached_tokens=state.num_cached_tokens,
             )
         # n > 1: keep each child's latest completion; the parent finishes with its last child.
         parent.completions[state.index] = self._completion(state, delta=False) if kind == RequestOutputKind.DELTA else completion
@@ -188,4 +191,7 @@ class OutputProcessor:
         elif kind == RequestOutputKind.FINAL_ONLY:
             return None
         outputs = [completion] if kind == RequestOutputKind.DELTA else [parent.completions[i] for i in sorted(parent.completions)]
-        return RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids, outputs, parent_finished, state.metrics)
+        return RequestOutput(
+            parent.request_id, state.prompt, state.prompt_token_ids, outputs, parent_finished, state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )

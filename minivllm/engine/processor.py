@@ -33,7 +33,9 @@ class Processor:
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         params = self._finalize_params(params, len(prompt_token_ids))
-        request = EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time or time.time())
+        request = EngineCoreRequest(
+            request_id, prompt_token_ids, params, arrival_time or time.time(), cache_salt=_cache_salt(prompt)
+        )
         return request, prompt_text
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -80,3 +82,11 @@ class Processor:
         if not params.ignore_eos:
             params.all_stop_token_ids |= set(self.model_config.eos_token_ids)
         return params
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """`{"prompt": ..., "cache_salt": "..."}`: prefix-cache isolation, as vLLM spells it (chapter 04)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt

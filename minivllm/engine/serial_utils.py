@@ -66,6 +66,7 @@ class EngineCoreRequestStruct(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParamsStruct  # type: ignore[valid-type]
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
@@ -114,7 +115,9 @@ def request_to_wire(request: EngineCoreRequest) -> EngineCoreRequestStruct:
         so = params.structured_outputs
         values["structured_outputs"] = StructuredOutputsStruct(*(getattr(so, f.name) for f in fields(so)))
     wire_params = SamplingParamsStruct(**values)
-    return EngineCoreRequestStruct(request.request_id, request.prompt_token_ids, wire_params, request.arrival_time)
+    return EngineCoreRequestStruct(
+        request.request_id, request.prompt_token_ids, wire_params, request.arrival_time, request.cache_salt
+    )
 
 
 def request_from_wire(struct: EngineCoreRequestStruct) -> EngineCoreRequest:
@@ -125,7 +128,7 @@ def request_from_wire(struct: EngineCoreRequestStruct) -> EngineCoreRequest:
         values["structured_outputs"] = StructuredOutputsParams(**msgspec.structs.asdict(values["structured_outputs"]))
     params = SamplingParams(**values)  # __post_init__ validates again, here in the core
     params.all_stop_token_ids = set(all_stop_token_ids)  # the engine's own field: restore it
-    return EngineCoreRequest(struct.request_id, struct.prompt_token_ids, params, struct.arrival_time)
+    return EngineCoreRequest(struct.request_id, struct.prompt_token_ids, params, struct.arrival_time, struct.cache_salt)
 # --8<-- [end:converters]
 
 

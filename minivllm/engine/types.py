@@ -20,6 +20,8 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    # Prefix caching (chapter 04): requests with different salts never share cached blocks.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -33,6 +35,8 @@ class EngineCoreOutput:
     new_logprob_token_ids: list[int] | None = None
     new_logprobs: list[float] | None = None
     new_sampled_rank: int | None = None
+    # Prompt tokens whose K/V the prefix cache supplied at admission (vLLM's field).
+    num_cached_tokens: int = 0
     # Set (with finish_reason "error") when the core could not take this request; the other
     # requests carry on. The front end raises it in this request's stream.
     error: str | None = None
@@ -56,3 +60,14 @@ class EngineCoreStats:
     # Seconds spent inside EngineCore.step() since start: against the wall clock it says how
     # busy the core was (chapter 02 compares the two client modes with it).
     busy_seconds: float = 0.0
+    # Prefix caching (chapter 04), in tokens since start-up: looked up at admission, found in
+    # the cache (GPU or CPU tier), and of those copied back from the CPU tier.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_cpu_hits: int = 0
+    num_cached_blocks: int = 0  # blocks in the GPU prefix cache now (held or free)
+    num_offloaded_blocks: int = 0  # blocks in the CPU tier now
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

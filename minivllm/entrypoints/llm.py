@@ -37,6 +37,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (chapter 04), as vLLM's `LLM.reset_prefix_cache`.
+
+        Returns False, changing nothing, while requests still hold blocks.
+        """
+        return self.llm_engine.reset_prefix_cache()
+
     # --8<-- [start:generate]
     def generate(
         self,

@@ -58,4 +58,20 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_kv_transfers(scheduler_output.kv_transfers)
         return self.model_runner.execute_model(scheduler_output)
+
+    # --8<-- [start:execute-kv-transfers]
+    cpu_kv_cache = None  # KV offloading's host tensors (chapter 04), made on the first copy
+
+    def execute_kv_transfers(self, transfers) -> None:  # transfers: KVTransfers | None
+        """KV offloading: copy blocks between the GPU cache and the CPU tier, before the forward."""
+        if not transfers:
+            return
+        from minivllm.kv_cache.offload import CPUKVCache, num_cpu_blocks
+
+        if self.cpu_kv_cache is None:
+            self.cpu_kv_cache = CPUKVCache(self.model_runner.kv_caches, num_cpu_blocks(self.config))
+        self.cpu_kv_cache.execute(transfers)
+    # --8<-- [end:execute-kv-transfers]
+

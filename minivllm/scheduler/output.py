@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.kv_cache.offload import KVTransfers
 from minivllm.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV offloading (chapter 04): block copies between the GPU cache and the CPU tier, which
+    # the worker runs before the forward pass. None without a CPU tier.
+    kv_transfers: KVTransfers | None = None
 # --8<-- [end:scheduler-output]
 
     @property

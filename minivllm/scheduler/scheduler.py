@@ -10,6 +10,11 @@ front of the queue. When it runs again, its prompt and the tokens it already gen
 recomputed in one prefill, and it continues exactly where it stopped. Chapter 03 walks through
 `schedule()` and its helpers line by line.
 
+With prefix caching (chapter 04) admission first asks the KV cache manager which leading
+blocks of the request are already cached (`_find_cached_prefix`): those tokens count as
+computed and only the rest is scheduled. A preempted request resumes the same way, so the
+full blocks it had filled are usually found again instead of recomputed.
+
 The `# exercise[ch03-...]` comments mark the functions chapter 03's exercises ask a learner to
 rebuild (exercises/README.md). They are called through this module or `self` only, never
 imported by name, so the exercise checker can swap a learner's version in.
@@ -18,9 +23,12 @@ imported by name, so the exercise checker can swap a learner's version in.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from minivllm.config import SchedulerConfig
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest
+from minivllm.kv_cache.block_hash import BlockHash
+from minivllm.kv_cache.block_pool import KVCacheBlock
 from minivllm.kv_cache.manager import KVCacheManager
 from minivllm.request import Request, RequestStatus
 from minivllm.scheduler.output import (
@@ -29,6 +37,14 @@ from minivllm.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+@dataclass
+class PrefixHit:
+    """What admission found of a request's prefix: GPU blocks to share, CPU-tier blocks to load."""
+
+    gpu_blocks: list[KVCacheBlock]
+    cpu_hashes: list[BlockHash]
+    num_tokens: int  # tokens the two together cover
 
 
 class Scheduler:
@@ -52,6 +68,7 @@ class Scheduler:
             engine_request.prompt_token_ids,
             engine_request.sampling_params,
             engine_request.arrival_time,
+            cache_salt=engine_request.cache_salt,
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -101,6 +118,8 @@ class Scheduler:
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        # 4. KV offloading: the block copies this step's decisions need, run before the forward.
+        output.kv_transfers = self.kv_cache_manager.take_kv_transfers()
         return output
     # --8<-- [end:schedule]
 
@@ -127,34 +146,44 @@ class Scheduler:
     # --8<-- [end:schedule-running]
 
     # --8<-- [start:schedule-waiting]
-    # exercise[ch03-schedule-waiting]: admit the head while seats, budget, blocks last; NewRequestData, or CachedRequestData if resumed
+    # exercise[ch03-schedule-waiting]: admit the head while seats, budget, blocks last; cached prefix first; NewRequestData, or CachedRequestData if resumed
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> int:
         """Admit waiting requests, oldest first; return the token budget left.
 
         The head of `self.waiting` is admitted when there is a seat (fewer than `max_num_seqs`
         requests running), `num_tokens_to_schedule` gives it more than 0 tokens, and the KV
         cache manager finds blocks for them. Otherwise admission stops for this step: a later
-        request never overtakes the head (first come, first served). An admitted request moves
-        to the end of `self.running` with status RUNNING, and its tokens are recorded in
-        `output.num_scheduled_tokens`. What the model runner is sent depends on whether it has
-        seen the request: a new one goes into `output.scheduled_new_reqs` as `NewRequestData`
-        (prompt, sampling params, blocks); one resumed after preemption into
-        `output.scheduled_cached_reqs` as `CachedRequestData` with `resumed_from_preemption=True`,
-        so the runner rebuilds its block table from the new block ids.
+        request never overtakes the head (first come, first served). Before counting its
+        tokens, `self._find_cached_prefix(request)` looks its prefix up in the cache: the hit
+        tokens become its `num_computed_tokens` and the hit blocks go to `allocate_slots` as
+        `new_computed_blocks`; if it is not admitted after all, `num_computed_tokens` goes
+        back to 0. Once admitted, `self._admit_cached_prefix(request, hit)` records the hit.
+        An admitted request moves to the end of `self.running` with status RUNNING, and its
+        tokens are recorded in `output.num_scheduled_tokens`. What the model runner is sent
+        depends on whether it has seen the request: a new one goes into
+        `output.scheduled_new_reqs` as `NewRequestData` (prompt, sampling params, all its
+        block ids); one resumed after preemption into `output.scheduled_cached_reqs` as
+        `CachedRequestData` with `resumed_from_preemption=True` and all its block ids, so the
+        runner rebuilds its block table from them.
         """
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            hit = self._find_cached_prefix(request)
+            request.num_computed_tokens = hit.num_tokens
             num_new_tokens = num_tokens_to_schedule(request, token_budget, self.config.enable_chunked_prefill)
-            if num_new_tokens == 0:
-                break  # its prompt may not be split and does not fit; wait for a step with room
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = None
+            if num_new_tokens > 0:  # 0: its prompt may not be split and does not fit
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit.gpu_blocks)
             if new_block_ids is None:
-                break  # not enough free blocks; try again next step
+                request.num_computed_tokens = 0
+                break  # not enough free blocks or budget; try again next step
+            self._admit_cached_prefix(request, hit)
             self.waiting.popleft()
             self.running.append(request)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             if request.status == RequestStatus.PREEMPTED:
                 output.scheduled_cached_reqs.append(
-                    CachedRequestData(request.request_id, True, new_block_ids, request.num_computed_tokens)
+                    CachedRequestData(request.request_id, True, block_ids, request.num_computed_tokens)
                 )
             else:
                 output.scheduled_new_reqs.append(
@@ -162,7 +191,7 @@ class Scheduler:
                         request.request_id,
                         request.prompt_token_ids,
                         request.sampling_params,
-                        new_block_ids,
+                        block_ids,
                         request.num_computed_tokens,
                     )
                 )
@@ -171,6 +200,27 @@ class Scheduler:
             token_budget -= num_new_tokens
         return token_budget
     # --8<-- [end:schedule-waiting]
+
+    # --8<-- [start:cached-prefix]
+    def _find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The request's leading full blocks in the GPU prefix cache, then in the CPU tier."""
+        gpu_blocks, _ = self.kv_cache_manager.get_computed_blocks(request)
+        cpu_hashes = self.kv_cache_manager.get_offloaded_prefix(request, len(gpu_blocks))
+        return PrefixHit(gpu_blocks, cpu_hashes, (len(gpu_blocks) + len(cpu_hashes)) * self.kv_cache_manager.block_size)
+
+    def _admit_cached_prefix(self, request: Request, hit: PrefixHit) -> None:
+        """After admission: copy the CPU-tier hits into their new blocks; count the hit."""
+        if hit.cpu_hashes:
+            self.kv_cache_manager.load_offloaded_blocks(request, len(hit.gpu_blocks), hit.cpu_hashes)
+        cpu_hit_tokens = len(hit.cpu_hashes) * self.kv_cache_manager.block_size
+        self.kv_cache_manager.record_admission(request, hit.num_tokens, cpu_hit_tokens)
+        if request.num_cached_tokens < 0:  # reported to the user: the first admission's hit
+            request.num_cached_tokens = hit.num_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while a request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+    # --8<-- [end:cached-prefix]
 
     # --8<-- [start:preempt]
     # exercise[ch03-allocate-or-preempt]: retry allocate_slots; while it fails, preempt the last running request (None if it is this one)
@@ -195,16 +245,20 @@ class Scheduler:
             if victim is request:
                 return None
 
-    # exercise[ch03-preempt]: free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting
+    # exercise[ch03-preempt]: (swap mode: swap_out first) free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's K/V; keep its tokens; queue it first.
 
-        `request` is already out of `self.running`. Give its blocks back to the KV cache
+        `request` is already out of `self.running`. With `config.preemption_mode == "swap"`,
+        first have the KV cache manager copy its blocks to the CPU tier
+        (`kv_cache_manager.swap_out(request)`). Give its blocks back to the KV cache
         manager; set its status to PREEMPTED and `num_computed_tokens` to 0 (its prompt and the
         tokens it generated are recomputed when it resumes; its tokens themselves are kept);
         add one to `request.num_preemptions` and to `self.num_preemptions`; and put it at the
         front of `self.waiting`, so it is the first to resume.
         """
+        if self.config.preemption_mode == "swap":
+            self.kv_cache_manager.swap_out(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -229,7 +283,7 @@ class Scheduler:
                 request.append_output_token(token_id)
                 if check_stop(request, self.max_model_len):
                     break
-            output = EngineCoreOutput(request_id, token_ids)
+            output = EngineCoreOutput(request_id, token_ids, num_cached_tokens=max(request.num_cached_tokens, 0))
             if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
                 n = request.sampling_params.logprobs + 1
                 output.new_logprob_token_ids = runner_output.logprob_token_ids[row, :n].tolist()
