@@ -138,14 +138,47 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # "uni": the worker runs in the engine core's process; "mp": one worker process per rank
+    # (chapter 05). None picks "uni" for one rank.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni"
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'uni' or 'mp', got {self.distributed_executor_backend!r}"
+            )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (only 1); "
                 "see chapter 10 (distributed)."
             )
 # --8<-- [end:parallel-config]
+
+
+# --8<-- [start:compilation-config]
+@dataclass
+class CompilationConfig:
+    """How the model runner makes the forward pass cheap to launch (chapter 05).
+
+    `level` 0 runs the model as plain PyTorch; 1 runs it through `torch.compile` (attention
+    stays outside the compiled graphs). Independently, on CUDA, decode-only steps replay CUDA
+    graphs captured at `cuda_graph_sizes` batch sizes unless `enforce_eager` is set.
+    """
+
+    level: int = 0
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None  # None: 1, 2, 4, 8, then every 16 up to max_num_seqs
+
+    def __post_init__(self) -> None:
+        if self.level not in (0, 1):
+            raise ValueError(f"compilation level must be 0 (eager) or 1 (torch.compile), got {self.level}")
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or any(int(n) < 1 for n in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
+            self.cuda_graph_sizes = sorted({int(n) for n in self.cuda_graph_sizes})
+# --8<-- [end:compilation-config]
 
 
 # --8<-- [start:device-config]
@@ -180,6 +213,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     attention_backend: str = "torch"
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.kv_offloading_size <= 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from minivllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
@@ -50,6 +51,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     device: str = "auto"
     attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # no CUDA graphs
+    compilation_level: int = 0  # 0: eager PyTorch; 1: torch.compile
+    cuda_graph_sizes: str | None = None  # decode batch sizes to capture, "1,2,4,8"; None: the default ladder
+    distributed_executor_backend: str | None = None  # "uni" | "mp" (one worker process per rank)
 # --8<-- [end:engine-args]
 
     def create_engine_config(self) -> EngineConfig:
@@ -95,9 +100,14 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 preemption_mode=self.preemption_mode,
             ),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             device_config=device_config,
             attention_backend=backend,
+            compilation_config=CompilationConfig(
+                level=self.compilation_level,
+                enforce_eager=self.enforce_eager,
+                cuda_graph_sizes=_parse_sizes(self.cuda_graph_sizes),
+            ),
         )
 
     # -- command line ---------------------------------------------------------------------
@@ -132,6 +142,16 @@ class EngineArgs:
 @dataclass
 class AsyncEngineArgs(EngineArgs):
     """`EngineArgs` for `AsyncLLM`, as vLLM names them; the same fields (chapter 02)."""
+
+
+def _parse_sizes(sizes: str | list[int] | None) -> list[int] | None:
+    """`--cuda-graph-sizes 1,2,4,8` (or a list from Python) → [1, 2, 4, 8]."""
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    try:
+        return [int(n) for n in str(sizes).split(",") if n.strip()]
+    except ValueError as err:
+        raise ValueError(f"cuda_graph_sizes must be comma-separated integers, got {sizes!r}") from err
 
 
 def resolve_model_path(model: str | None) -> Path:

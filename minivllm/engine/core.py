@@ -12,7 +12,7 @@ import time
 
 from minivllm.config import EngineConfig
 from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
-from minivllm.executor.uniproc_executor import UniProcExecutor
+from minivllm.executor.executor_base import executor_class
 from minivllm.kv_cache.manager import cdiv, make_kv_cache_manager, prefix_cache_stats
 from minivllm.request import RequestStatus
 from minivllm.scheduler.output import SchedulerOutput
@@ -24,7 +24,8 @@ logger = logging.getLogger("minivllm")
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        # "uni": the worker in this process; "mp": one worker process per rank (chapter 05).
+        self.executor = executor_class(config)(config)
         num_blocks = self.executor.determine_num_available_blocks()
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len

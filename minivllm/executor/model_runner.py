@@ -1,10 +1,13 @@
 """`ModelRunner`: turns a `SchedulerOutput` into one forward pass and sampled tokens.
 
-It keeps its own record of every running request (tokens, block table, generator), updated
-from the scheduler's diffs. Each step it flattens the scheduled tokens of all requests into one
-batch, decode requests first: `input_ids` and `positions` for the model, and for attention the
-`slot_mapping` (where each new token's K/V go), the block tables and the query/sequence
-lengths. Only the rows that finish a prompt or decode are turned into logits and sampled.
+It keeps every running request in a persistent batch (`InputBatch`: one row of preallocated
+host tensors per request) and applies only the scheduler's diffs to it each step. Preparing a
+step lays the scheduled tokens of all requests end to end, decode requests first: `input_ids`
+and `positions` for the model, and for attention the `slot_mapping` (where each new token's
+K/V go), the block tables and the query/sequence lengths. They are written into pinned host
+buffers and copied without blocking into device buffers that never move — which is also what
+lets a decode step replay a CUDA graph captured over those same buffers (`cuda_graphs.py`).
+Only the rows that finish a prompt or decode are turned into logits and sampled.
 Chapter 05 (executor & worker) explains it; chapter 04 draws the slot mapping.
 """
 
@@ -14,17 +17,19 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import get_attention_backend
 from minivllm.config import EngineConfig
+from minivllm.executor.cuda_graphs import CudaGraphRunner, cuda_graph_capture_sizes
+from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch, flatten_batch
 from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
 from minivllm.models.loader import get_model
 from minivllm.sample.metadata import build_sampling_metadata
 from minivllm.sample.sampler import Sampler
-from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("minivllm")
@@ -48,26 +53,31 @@ def compute_slot_mapping(block_table: list[int], positions: Sequence[int], block
 
 
 @dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
+class StepInputs:
+    """One prepared step: the order of its requests, and where its inputs sit on the device."""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    req_ids: list[str]
+    num_tokens: int
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]  # indices into req_ids of the requests sampled this step
+    logits_indices: torch.Tensor  # [len(sample_rows)]: the token whose hidden state is sampled
+    graph_size: int | None  # a captured decode size to replay, or None to run eagerly
 
-    def token_ids(self, start: int, end: int) -> list[int]:
-        # Slice each part on its own: concatenating them would copy the whole sequence on
-        # every decode step of every request.
-        num_prompt = len(self.prompt_token_ids)
-        head = self.prompt_token_ids[start:end] if start < num_prompt else []
-        tail = self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
-        return head + tail
+
+class _StepBuffers:
+    """A pinned host buffer and a device buffer of the same shape, for one kind of input."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.cpu.numpy()
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        # Non-blocking from pinned memory: the copy overlaps the host's work on the rest of
+        # the step. The host rewrites `cpu` only next step, after this step's sampled tokens
+        # were read back (a sync), so the copy has finished by then.
+        self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]
 
 
 class ModelRunner:
@@ -75,14 +85,39 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.cache_config.block_size
-        self.requests: dict[str, CachedRequestState] = {}
+        sched = config.scheduler_config
+        self.max_model_len = config.model_config.max_model_len
+        self.max_num_reqs = sched.max_num_seqs
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.requests: dict[str, CachedRequestState] = {}  # every unfinished request, with or without a row
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, device.type == "cuda")
+        max_tokens = max(sched.max_num_batched_tokens, self.max_num_reqs)
+        self.input_ids = _StepBuffers((max_tokens,), torch.long, device)
+        self.positions = _StepBuffers((max_tokens,), torch.long, device)
+        self.slot_mapping = _StepBuffers((max_tokens,), torch.long, device)
+        self.query_start_loc = _StepBuffers((self.max_num_reqs + 1,), torch.int32, device)
+        self.seq_lens = _StepBuffers((self.max_num_reqs,), torch.int32, device)
+        self.block_tables = _StepBuffers((self.max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.sampler = Sampler()
         self.attn_backend = get_attention_backend(config.attention_backend, device)
         self.model: torch.nn.Module | None = None
+        self.forward = None  # the model's forward, or its torch.compile'd version
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
 
+    # --8<-- [start:load-model]
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
+        self.forward = self.model
+        if self.config.compilation_config.level >= 1:
+            # Attention reads the step's layout from the forward context (a global): keep it
+            # out of the compiled graphs, which would otherwise specialize on one step's
+            # metadata. Everything between two attention calls is compiled and fused.
+            for layer in self.model.modules():
+                if isinstance(layer, Attention):
+                    layer.forward = torch.compiler.disable(layer.forward)
+            self.forward = torch.compile(self.model, dynamic=True)
+    # --8<-- [end:load-model]
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -91,19 +126,25 @@ class ModelRunner:
         element_size = torch.empty((), dtype=mc.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element_size
 
+    # --8<-- [start:profile-peak]
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
-        """Run the largest batch a step may hold once, with no cache; return peak bytes (CUDA)."""
-        num_tokens = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
+        """Run the largest step the scheduler may form once, with no cache; return peak bytes.
+
+        `max_num_batched_tokens` tokens through the model, then the logits and a softmax of
+        `max_num_seqs` rows, as a sampling step does. The peak includes the weights.
+        """
+        num_tokens = self.config.scheduler_config.max_num_batched_tokens
         torch.cuda.reset_peak_memory_stats(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         with set_forward_context(None):
-            hidden = self.model(input_ids, positions)
-        num_seqs = min(self.config.scheduler_config.max_num_seqs, num_tokens)
+            hidden = self.forward(input_ids, positions)
+        num_seqs = min(self.max_num_reqs, num_tokens)
         self.model.compute_logits(hidden[:num_seqs]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+    # --8<-- [end:profile-peak]
 
     # --8<-- [start:init-kv-cache]
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -117,24 +158,61 @@ class ModelRunner:
             layer.impl = self.attn_backend
     # --8<-- [end:init-kv-cache]
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs, if this device and configuration use them."""
+        cc = self.config.compilation_config
+        if self.device.type != "cuda" or cc.enforce_eager:
+            return
+        if self.config.attention_backend != "triton":
+            # The torch reference backend writes padded rows' K/V to slot -1 (the cache's last
+            # slot) and sizes its gather from host values: it is for reading, not for graphs.
+            logger.info("CUDA graphs need the triton attention backend; running eagerly")
+            return
+        sizes = cuda_graph_capture_sizes(self.max_num_reqs, cc.cuda_graph_sizes)
+        self.cuda_graphs = CudaGraphRunner(
+            self.forward, sizes, self._graph_metadata, self.input_ids.gpu, self.positions.gpu
+        )
+        self.cuda_graphs.capture()
+
+    def _graph_metadata(self, size: int) -> AttentionMetadata:
+        """Decode metadata over the device buffers for a captured batch of `size` requests."""
+        self.slot_mapping.gpu[:size].fill_(-1)  # capture writes nothing into the cache
+        self.seq_lens.gpu[:size].fill_(1)
+        self.query_start_loc.gpu[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            slot_mapping=self.slot_mapping.gpu[:size],
+            query_start_loc=self.query_start_loc.gpu[: size + 1],
+            seq_lens=self.seq_lens.gpu[:size],
+            block_tables=self.block_tables.gpu[:size],
+            num_decodes=size,
+            max_query_len=1,
+            # A host-side bound every replay must respect: no sequence is longer than this.
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+        )
+
     # -- one step ---------------------------------------------------------------------------
 
+    # --8<-- [start:execute-model]
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
-        req_ids, input_ids, positions, meta, sample_rows = self._prepare_inputs(scheduler_output)
-        with set_forward_context(meta):
-            hidden_states = self.model(input_ids, positions)
-        # Only the last token of a request that completes its prompt (or decodes) is sampled.
-        logits_indices = [meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
-        sampled_ids = [[] for _ in req_ids]
-        output = ModelRunnerOutput(req_ids, sampled_ids)
-        if not sample_rows:
+        step = self._prepare_inputs(scheduler_output)
+        if step.graph_size is not None:
+            hidden_states = self.cuda_graphs.replay(step.graph_size)
+        else:
+            with set_forward_context(step.attn_metadata):
+                hidden_states = self.forward(self.input_ids.gpu[: step.num_tokens], self.positions.gpu[: step.num_tokens])
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        output = ModelRunnerOutput(step.req_ids, sampled_ids)
+        if not step.sample_rows:
             return output
-        logits = self.model.compute_logits(hidden_states[logits_indices]).float()
-        states = [self.requests[req_ids[i]] for i in sample_rows]
+        logits = self.model.compute_logits(hidden_states[step.logits_indices]).float()
+        states = [self.input_batch.requests[step.req_ids[i]] for i in step.sample_rows]
         sampling_metadata = build_sampling_metadata(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
@@ -143,79 +221,111 @@ class ModelRunner:
             self.device,
         )
         sampler_output = self.sampler(logits, sampling_metadata)
-        for row, (i, token_id) in enumerate(zip(sample_rows, sampler_output.sampled_token_ids.tolist())):
-            states[row].output_token_ids.append(token_id)
+        for i, token_id in zip(step.sample_rows, sampler_output.sampled_token_ids.tolist()):
+            self.input_batch.append_token(step.req_ids[i], token_id)
             sampled_ids[i] = [token_id]
         if sampler_output.logprobs is not None:
-            # Scatter the sampled rows' logprobs back to one row per scheduled request.
-            n_cols = sampler_output.logprobs.shape[1]
-            rows = torch.tensor(sample_rows)
-            output.logprob_token_ids = torch.zeros(len(req_ids), n_cols, dtype=torch.long)
-            output.logprobs = torch.zeros(len(req_ids), n_cols)
-            output.sampled_token_ranks = torch.zeros(len(req_ids), dtype=torch.long)
-            output.logprob_token_ids[rows] = sampler_output.logprob_token_ids.cpu()
-            output.logprobs[rows] = sampler_output.logprobs.cpu()
-            output.sampled_token_ranks[rows] = sampler_output.sampled_token_ranks.cpu()
+            _scatter_logprobs(output, step.sample_rows, sampler_output)
         return output
+    # --8<-- [end:execute-model]
 
     # --8<-- [start:update-states]
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the persistent batch: drop, add, extend."""
+        batch = self.input_batch
         for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
             self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            # A preempted request waits without a row (its row may go to a new request); its
+            # tokens stay in self.requests until it is resumed with a fresh block table.
+            batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids, [], params, generator, list(new.block_ids), new.num_computed_tokens
-            )
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), [], params, generator)
+            self.requests[new.req_id] = state
+            batch.add_request(state, new.block_ids, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)  # a fresh block table
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.req_id not in batch:  # resumed after preemption
+                batch.add_request(self.requests[cached.req_id], cached.new_block_ids, cached.num_computed_tokens)
+                continue
+            batch.append_block_ids(cached.req_id, cached.new_block_ids, replace=cached.resumed_from_preemption)
+            batch.num_computed_tokens[batch.req_id_to_row[cached.req_id]] = cached.num_computed_tokens
     # --8<-- [end:update-states]
 
     # --8<-- [start:prepare-inputs]
-    def _prepare_inputs(self, so: SchedulerOutput):
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
         # Decodes (one token) first: the attention backends handle them as one group.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + so.num_scheduled_tokens[req_id]
-            input_ids += state.token_ids(start, end)
-            positions += range(start, end)
-            slot_mapping += compute_slot_mapping(state.block_ids, range(start, end), self.block_size)
-            query_start_loc.append(query_start_loc[-1] + end - start)
-            seq_lens.append(end)
-            if end >= state.num_tokens:  # caught up with every known token: sample the next
-                sample_rows.append(i)
-            state.num_computed_tokens = end
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_tables = [self.requests[r].block_ids + [0] * (max_blocks - len(self.requests[r].block_ids)) for r in req_ids]
-        to_device = lambda data, dtype: torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)  # noqa: E731
+        rows = batch.rows_of(req_ids)
+        num_reqs = len(req_ids)
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_tokens = int(num_scheduled.sum())
+        num_computed = batch.num_computed_tokens[rows]
+        block_table = self.block_tables.np[:num_reqs]
+        np.take(batch.block_table_np, rows, axis=0, out=block_table)
+        req_indices, positions, slot_mapping = flatten_batch(num_computed, num_scheduled, block_table, self.block_size)
+
+        self.input_ids.np[:num_tokens] = batch.token_ids_np[rows[req_indices], positions]
+        self.positions.np[:num_tokens] = positions
+        self.slot_mapping.np[:num_tokens] = slot_mapping
+        seq_lens = num_computed + num_scheduled
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self.query_start_loc.np[0] = 0
+        np.cumsum(num_scheduled, out=self.query_start_loc.np[1 : num_reqs + 1])
+        batch.num_computed_tokens[rows] = seq_lens
+        # Caught up with every known token: sample the next one.
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        logits_indices = self.query_start_loc.np[sample_rows + 1] - 1
+
+        num_decodes = int((num_scheduled == 1).sum())
+        graph_size = None
+        if self.cuda_graphs is not None and num_decodes == num_reqs:
+            graph_size = self.cuda_graphs.padded_size(num_reqs)
+        n = num_tokens
+        if graph_size is not None:
+            # Padded rows: a write-nothing slot, a one-token context in block 0, one query token.
+            self.input_ids.np[n:graph_size] = 0
+            self.positions.np[n:graph_size] = 0
+            self.slot_mapping.np[n:graph_size] = -1
+            self.seq_lens.np[num_reqs:graph_size] = 1
+            self.block_tables.np[num_reqs:graph_size] = 0
+            self.query_start_loc.np[: graph_size + 1] = np.arange(graph_size + 1)
+            n = num_reqs = graph_size
+        query_start_loc_cpu = self.query_start_loc.np[: len(req_ids) + 1].tolist()
+        seq_lens_cpu = seq_lens.tolist()
         meta = AttentionMetadata(
-            num_actual_tokens=len(input_ids),
-            slot_mapping=to_device(slot_mapping, torch.long),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            num_decodes=sum(1 for r in req_ids if so.num_scheduled_tokens[r] == 1),
-            max_query_len=max(so.num_scheduled_tokens.values()),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            num_actual_tokens=n,
+            slot_mapping=self.slot_mapping.copy_to_device(n),
+            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_reqs),
+            block_tables=self.block_tables.copy_to_device(num_reqs),
+            num_decodes=num_decodes,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
         )
-        return req_ids, to_device(input_ids, torch.long), to_device(positions, torch.long), meta, sample_rows
+        self.input_ids.copy_to_device(n)
+        self.positions.copy_to_device(n)
+        logits_indices_gpu = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_indices_gpu, graph_size)
     # --8<-- [end:prepare-inputs]
+
+
+def _scatter_logprobs(output: ModelRunnerOutput, sample_rows: list[int], sampler_output) -> None:
+    """Scatter the sampled rows' logprobs back to one row per scheduled request."""
+    num_reqs = len(output.req_ids)
+    n_cols = sampler_output.logprobs.shape[1]
+    rows = torch.tensor(sample_rows)
+    output.logprob_token_ids = torch.zeros(num_reqs, n_cols, dtype=torch.long)
+    output.logprobs = torch.zeros(num_reqs, n_cols)
+    output.sampled_token_ranks = torch.zeros(num_reqs, dtype=torch.long)
+    output.logprob_token_ids[rows] = sampler_output.logprob_token_ids.cpu()
+    output.logprobs[rows] = sampler_output.logprobs.cpu()
+    output.sampled_token_ranks[rows] = sampler_output.sampled_token_ranks.cpu()
