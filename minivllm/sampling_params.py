@@ -88,8 +88,9 @@ class StructuredOutputsParams:
             return value
         if value is True:
             return ""
-        # A dict schema or a choice list: sorted keys, so equal schemas share one cache entry.
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        # A dict schema or a choice list. Keys keep their order: a schema's property order is
+        # the order the grammar generates them in, so reordered schemas are different grammars.
+        return json.dumps(value, separators=(",", ":"))
 # --8<-- [end:structured-outputs-params]
 
 

@@ -17,6 +17,7 @@ from minivllm.kv_cache.manager import cdiv, make_kv_cache_manager, prefix_cache_
 from minivllm.request import RequestStatus
 from minivllm.scheduler.output import SchedulerOutput
 from minivllm.scheduler.scheduler import Scheduler
+from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 
@@ -38,6 +39,8 @@ class EngineCore:
         config.cache_config.num_gpu_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, make_kv_cache_manager(config, num_blocks))
+        # Structured output (chapter 11): compiles grammars off the step loop, fills the bitmask.
+        self.structured_output_manager = StructuredOutputManager(config)
         # Statistics for `minivllm run` and, later, the metrics endpoint.
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
@@ -45,7 +48,7 @@ class EngineCore:
         self.busy_seconds = 0.0
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        self.structured_output_manager.grammar_init(self.scheduler.add_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -77,6 +80,7 @@ class EngineCore:
             return []
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.structured_output_manager.grammar_bitmask(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         self.last_scheduler_output = scheduler_output
         self.num_steps += 1
@@ -88,4 +92,5 @@ class EngineCore:
     # --8<-- [end:step]
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

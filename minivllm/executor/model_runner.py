@@ -31,6 +31,7 @@ from minivllm.models.loader import get_model
 from minivllm.sample.metadata import build_sampling_metadata
 from minivllm.sample.sampler import Sampler
 from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minivllm.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger("minivllm")
 
@@ -220,6 +221,8 @@ class ModelRunner:
             [s.generator for s in states],
             self.device,
         )
+        # Structured output (chapter 11): tokens a request's grammar forbids get logit -inf.
+        logits = apply_grammar_bitmask(logits, [req_ids[i] for i in sample_rows], scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
         for i, token_id in zip(step.sample_rows, sampler_output.sampled_token_ids.tolist()):
             self.input_batch.append_token(step.req_ids[i], token_id)

@@ -44,6 +44,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output (chapter 11), filled by the engine core after scheduling: request id →
+    # its row of `grammar_bitmask` ([rows, ceil(vocab_size / 32)] int32), for each structured
+    # request that samples this step. Empty / None when no such request is scheduled.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: torch.Tensor | None = None
     # KV offloading (chapter 04): block copies between the GPU cache and the CPU tier, which
     # the worker runs before the forward pass. None without a CPU tier.
     kv_transfers: KVTransfers | None = None
