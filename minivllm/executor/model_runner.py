@@ -222,7 +222,7 @@ class ModelRunner:
             self.device,
         )
         # Structured output (chapter 11): tokens a request's grammar forbids get logit -inf.
-        logits = apply_grammar_bitmask(logits, [req_ids[i] for i in sample_rows], scheduler_output)
+        logits = apply_grammar_bitmask(logits, [step.req_ids[i] for i in step.sample_rows], scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
         for i, token_id in zip(step.sample_rows, sampler_output.sampled_token_ids.tolist()):
             self.input_batch.append_token(step.req_ids[i], token_id)

@@ -39,6 +39,9 @@ from minivllm.scheduler.output import (
     SchedulerOutput,
 )
 
+logger = logging.getLogger("minivllm")
+
+
 @dataclass
 class PrefixHit:
     """What admission found of a request's prefix: GPU blocks to share, CPU-tier blocks to load."""
@@ -46,8 +49,6 @@ class PrefixHit:
     gpu_blocks: list[KVCacheBlock]
     cpu_hashes: list[BlockHash]
     num_tokens: int  # tokens the two together cover
-
-logger = logging.getLogger("minivllm")
 
 
 class Scheduler:
