@@ -1,4 +1,4 @@
-"""The `minivllm` command: `run` (the demo), `exercise`, and, in later chapters, more subcommands."""
+"""The `minivllm` command: `run` (the demo), `exercise`, `bench`, `serve` (chapter 11)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minivllm", description="A small, readable vLLM.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    from minivllm.cli import bench, exercise, run
+    from minivllm.cli import bench, exercise, run, serve
 
     run.add_parser(subparsers)
     exercise.add_parser(subparsers)
     bench.add_parser(subparsers)
+    serve.add_parser(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
