@@ -1,4 +1,5 @@
-"""`minivllm bench throughput | kernels | ceilings`: the measurements behind docs/benchmarks.md.
+"""`minivllm bench throughput | latency | kernels | ceilings | serve`: the measurements behind
+docs/benchmarks.md.
 
 Each subcommand forwards its remaining arguments to the benchmark module, which has its own
 `--help`: `minivllm bench throughput --shape qwen3-0.6b --attention-backend triton`.
@@ -9,9 +10,11 @@ from __future__ import annotations
 import argparse
 
 _BENCHMARKS = {
-    "throughput": "offline throughput on the nano-vllm-style workload (minivllm.bench.throughput)",
+    "throughput": "offline throughput on the nano-vllm workload, its bound, and --hf (minivllm.bench.throughput)",
+    "latency": "one decode step at batch sizes B, beside the weights-read floor (minivllm.bench.latency)",
     "kernels": "each Triton kernel against the hardware and torch, on a GPU (minivllm.bench.kernels)",
     "ceilings": "copy bandwidth and bf16 GEMM rate of this GPU (minivllm.bench.ceilings)",
+    "serve": "TTFT, TPOT, ITL and throughput of an OpenAI-compatible server under load (minivllm.bench.serve)",
 }
 
 

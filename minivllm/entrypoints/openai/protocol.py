@@ -95,6 +95,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -148,6 +149,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

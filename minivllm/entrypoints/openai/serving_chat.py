@@ -32,6 +32,7 @@ from minivllm.outputs import RequestOutput, SampleLogprobs
 class OpenAIServingChat(OpenAIServing):
     def render_prompt(self, request: ChatCompletionRequest | Any) -> dict[str, Any]:
         """The conversation as a prompt: text and token ids, through the chat template."""
+        self.require_tokenizer("a chat request")
         conversation = [{"role": m.role, "content": _text_of(m.content)} for m in request.messages]
         try:
             return chat_prompt(

@@ -57,6 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for p in prompt:
             if isinstance(p, str):
+                self.require_tokenizer("a text prompt")
                 out.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
             else:
                 out.append({"prompt_token_ids": list(p)})
@@ -87,6 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choices.append(CompletionChoice(
                 index=index, text=text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if request.return_token_ids else None,
             ))
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         num_generated = sum(len(c.token_ids) for c in completions.values())
@@ -118,6 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = CompletionChoice(
                     index=index, text=text, logprobs=logprobs,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    token_ids=list(delta.token_ids) if request.return_token_ids else None,
                 )
                 yield {"id": response_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [choice.model_dump()]}
@@ -129,6 +132,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prompt_text(self, prompt: dict[str, Any]) -> str:
         text = prompt.get("prompt")
+        if text is None and self.tokenizer is None:
+            return ""  # no tokenizer, no text: the token ids are all there is
         return text if text is not None else self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def completion_logprobs(self, logprobs: SampleLogprobs | None, start_offset: int) -> CompletionLogprobs:
@@ -149,7 +154,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def echo_logprobs(self, prompt_token_ids: list[int], generated: CompletionLogprobs) -> CompletionLogprobs:
         """Echoed prompt tokens come first, without logprobs (minivllm computes no prompt logprobs)."""
-        tokens = [self.tokenizer.decode([t]) for t in prompt_token_ids]
+        tokens = [self.tokenizer.decode([t]) if self.tokenizer is not None else str(t) for t in prompt_token_ids]
         offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)

@@ -80,9 +80,13 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len = engine.config.model_config.max_model_len
-        self.tokenizer = engine.get_tokenizer()
+        self.tokenizer = engine.tokenizer  # None with --skip-tokenizer-init: token-id prompts only
         self.metrics = metrics
         self._abort_tasks: set[asyncio.Task] = set()
+
+    def require_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, but this server runs with --skip-tokenizer-init: send token ids")
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve (None: the first)."""
@@ -109,6 +113,7 @@ class OpenAIServing:
             max_tokens=resolve_max_tokens(max_tokens, num_prompt_tokens, self.max_model_len),
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            detokenize=self.tokenizer is not None,
             structured_outputs=structured_outputs_from_request(request),
             # The server always streams deltas from the engine, even to build one response.
             output_kind=RequestOutputKind.DELTA,

@@ -16,6 +16,7 @@ from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 class OpenAIServingTokenization(OpenAIServingChat):
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
+        self.require_tokenizer("/tokenize")
         request.warn_unknown_fields()
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("give exactly one of prompt and messages")
@@ -27,6 +28,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
+        self.require_tokenizer("/detokenize")
         vocab_size = self.engine.config.model_config.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:

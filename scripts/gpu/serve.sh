@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine: `minivllm serve` on a random-weight Qwen3-0.6B shape, `minivllm bench serve`
+# against it at a few request rates, then the same prompts offline through LLM.generate.
+# Needs the py3.12 wheels of the serve extra in .whl/ (carry: [".whl"]).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec 2>&1 | tail -2
+ln -sfn "$PWD/kernels" minivllm/kernels
+MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
+ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048"
+WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len 128"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+
+python -m minivllm.cli.main serve "$MODEL" --port 8011 --served-model-name qwen3-0.6b $ENGINE > "$OUT/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 240); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 0.5; done
+for rate in ${RATES:-16 64 inf}; do
+  timeout 120 python -m minivllm.bench.serve --base-url http://127.0.0.1:8011 $WORKLOAD --request-rate "$rate" \
+    --result-file "$OUT/serve_rate_$rate.json" 2>&1 | grep -E "throughput|_ttft_|_tpot_|completed|failed"
+done
+curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:(num_preemptions|kv_cache|prompt_tokens|generation_tokens)" >> "$OUT/gpu.txt"
+kill "$SERVER"; wait "$SERVER" 2>/dev/null
+
+timeout 150 python -m minivllm.bench.serve --backend offline --model "$MODEL" $ENGINE $WORKLOAD \
+  --result-file "$OUT/offline.json" 2>&1 | grep -E "throughput|completed"
+rm -f minivllm/kernels
