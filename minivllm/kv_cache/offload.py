@@ -143,30 +143,37 @@ class CPUKVCache:
         Every copy is queued on the current CUDA stream, the one the forward pass runs on, so
         a store finishes reading a GPU block before the forward overwrites it, and a load
         reads a CPU block only after a store of the same step wrote it: no waiting needed.
+        Each run of consecutive CPU blocks crosses the bus as one slab per layer and K/V; the
+        GPU side gathers or scatters its (scattered) blocks with one indexed copy.
         """
-        for src_id, dst_id, n in contiguous_runs(transfers.gpu_to_cpu):
-            self._copy(self.gpu_kv_caches, self.cpu_kv_caches, src_id, dst_id, n)
-        for src_id, dst_id, n in contiguous_runs(transfers.cpu_to_gpu):
-            self._copy(self.cpu_kv_caches, self.gpu_kv_caches, src_id, dst_id, n)
+        for cpu_start, gpu_ids in cpu_block_runs([(cpu, gpu) for gpu, cpu in transfers.gpu_to_cpu]):
+            index = torch.tensor(gpu_ids, device=self.gpu_kv_caches[0].device)
+            end = cpu_start + len(gpu_ids)
+            for gpu_cache, cpu_cache in zip(self.gpu_kv_caches, self.cpu_kv_caches):
+                gathered = gpu_cache[:, index]  # [2, n, block_size, kv_heads, head_dim]
+                for kv in (0, 1):
+                    cpu_cache[kv, cpu_start:end].copy_(gathered[kv], non_blocking=True)
+        for cpu_start, gpu_ids in cpu_block_runs(transfers.cpu_to_gpu):
+            index = torch.tensor(gpu_ids, device=self.gpu_kv_caches[0].device)
+            end = cpu_start + len(gpu_ids)
+            for gpu_cache, cpu_cache in zip(self.gpu_kv_caches, self.cpu_kv_caches):
+                for kv in (0, 1):
+                    slab = cpu_cache[kv, cpu_start:end].to(gpu_cache.device, non_blocking=True)
+                    gpu_cache[kv].index_copy_(0, index, slab)
 
-    @staticmethod
-    def _copy(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_id: int, dst_id: int, n: int) -> None:
-        for src, dst in zip(src_caches, dst_caches):
-            for kv in (0, 1):  # K and V: each run of blocks is one contiguous slab per layer
-                dst[kv, dst_id : dst_id + n].copy_(src[kv, src_id : src_id + n], non_blocking=True)
 
+def cpu_block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """(cpu block, gpu block) pairs → runs (first cpu block, the gpu blocks of the run, in order).
 
-def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Group (src, dst) block pairs into runs (src start, dst start, length) of consecutive ids.
-
-    Blocks are handed out in id order from a fresh pool, so a long prefix is usually a few
-    runs: a few large copies instead of one small copy per block per layer.
+    The copies of one direction are independent of each other, so they may be reordered: by
+    CPU block, then cut where the CPU ids stop being consecutive. A prefix evicted together
+    was stored in consecutive CPU blocks, so it usually comes back as one run.
     """
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in pairs:
-        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+    runs: list[tuple[int, list[int]]] = []
+    for cpu, gpu in sorted(pairs):
+        if runs and cpu == runs[-1][0] + len(runs[-1][1]):
+            runs[-1][1].append(gpu)
         else:
-            runs.append((src, dst, 1))
+            runs.append((cpu, [gpu]))
     return runs
 # --8<-- [end:cpu-kv-cache]
