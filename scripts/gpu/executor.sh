@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the GPU machine (chapter 05): CUDA graphs / torch.compile correctness, then, side by side in
+# one run, offline throughput (minivllm with CUDA graphs, eager, and HF transformers) with the
+# copy-bandwidth bound, and the decode step time (eager vs CUDA graphs) against the weights-read
+# floor, for the Qwen3-0.6B and Llama-3.2-1B shapes. Results: $OUT/executor-h200.json, log: $OUT/log.txt.
+#   MINIVLLM_COMMIT=$(git rev-parse --short HEAD) PARTS="tests qwen llama latq latl parity" scripts/gpu/executor.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
+PARTS=${PARTS:-"tests qwen llama latq latl parity"}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:/tmp/site
+ln -sfn "$PWD/kernels" minivllm/kernels
+LOG="$OUT/log.txt"
+merge() {  # every result so far into one JSON (the run may be cut short by its time limit)
+  python3 - <<'EOF'
+import glob, json, os
+results = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/res/*.json"))}
+json.dump(results, open(os.environ["OUT"] + "/executor-h200.json", "w"), indent=1)
+EOF
+}
+bench() {  # name, then the arguments of `minivllm bench ...`
+  local name=$1; shift
+  echo "== $name: minivllm bench $*" | tee -a "$LOG"
+  timeout 300 python3 -m minivllm.cli.main bench "$@" --json "/tmp/res/$name.json" >>"$LOG" 2>&1 || echo "!! $name failed ($?)" | tee -a "$LOG"
+  python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'batch_size')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
+  merge
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+for part in $PARTS; do
+  case $part in
+    tests)
+      timeout 400 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -x 2>&1 | tail -15 | tee -a "$LOG" ;;
+    qwen)
+      bench throughput-qwen3-graphs throughput --shape qwen3-0.6b
+      bench throughput-qwen3-eager throughput --shape qwen3-0.6b --enforce-eager --no-bound
+      bench throughput-qwen3-hf throughput --shape qwen3-0.6b --hf --no-bound ;;
+    llama)
+      bench throughput-llama-graphs throughput --shape llama-3.2-1b
+      bench throughput-llama-hf throughput --shape llama-3.2-1b --hf --no-bound ;;
+    latq|latl)
+      shape=$([ $part = latq ] && echo qwen3-0.6b || echo llama-3.2-1b)
+      bench "latency-$shape-graphs" latency --shape $shape --batch-sizes 1,4,16,64,256 --output-len 64 --num-iters 3
+      bench "latency-$shape-eager" latency --shape $shape --batch-sizes 1,4,16,64,256 --output-len 64 --num-iters 3 --enforce-eager ;;
+    parity)
+      MINIVLLM_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_hf_parity.py -q -p no:cacheprovider 2>&1 | tail -6 | tee -a "$LOG" ;;
+  esac
+done
+rm -f minivllm/kernels

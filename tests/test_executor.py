@@ -1,0 +1,171 @@
+"""The executor, worker and model runner (chapter 05), on the CPU.
+
+* The multi-process executor (a worker process, SchedulerOutputs broadcast over a pipe) gives
+  the same tokens as the in-process one, through chunked prefill and preemption.
+* A worker process that dies surfaces as `EngineDeadError`, not a hang.
+* The KV-cache sizing refuses to start when one max-length request cannot fit.
+* The persistent batch gives the same tokens whether a request keeps its row or is moved.
+* Decode batches padded to a captured size (what CUDA graphs replay) give the same tokens;
+  the padding arithmetic runs here through the Triton interpreter, the graphs on the GPU
+  (tests/test_cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+
+import pytest
+
+from conftest import TEST_DEVICE
+from hf_reference import make_tiny_model
+from minivllm import LLM, SamplingParams
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.exceptions import EngineDeadError
+
+PROMPT_LENGTHS = [3, 17, 20, 9, 14]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    folder = make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 400) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return folder, prompts
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# Small budgets force chunked prefill (16 tokens a step) and preemption (too few blocks).
+STRESS = dict(max_num_batched_tokens=16, num_gpu_blocks_override=9, block_size=4, max_model_len=32)
+
+
+@pytest.mark.slow
+def test_multiprocess_executor_matches_the_in_process_one(tiny_qwen3):
+    folder, prompts = tiny_qwen3
+    common = dict(skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", **STRESS)
+    uni = LLM(str(folder), distributed_executor_backend="uni", **common)
+    expected = greedy_tokens(uni, prompts)
+    assert uni.llm_engine.engine_core.scheduler.num_preemptions > 0, "the stress settings should preempt"
+    mp = LLM(str(folder), distributed_executor_backend="mp", **common)
+    try:
+        executor = mp.llm_engine.engine_core.executor
+        assert executor.worker_pids[0] != os.getpid(), "the mp worker must run in a process of its own"
+        assert greedy_tokens(mp, prompts) == expected, "one worker process must compute what the in-process worker does"
+    finally:
+        mp.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_process_is_an_engine_error_not_a_hang(tiny_qwen3):
+    folder, prompts = tiny_qwen3
+    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32",
+              distributed_executor_backend="mp", num_gpu_blocks_override=64)
+    executor = llm.llm_engine.engine_core.executor
+    os.kill(executor.worker_pids[0], signal.SIGKILL)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(greedy_tokens, llm, prompts)
+        with pytest.raises(EngineDeadError, match="rank 0.*died"):
+            future.result(timeout=60)  # a hang fails here instead of stalling the suite
+    with pytest.raises(EngineDeadError):
+        executor.collective_rpc("get_pid")  # and the executor stays dead
+
+
+def test_executor_backend_is_checked(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        EngineArgs(str(folder), device="cpu", distributed_executor_backend="ray").create_engine_config()
+
+
+def test_cuda_graph_sizes_parse_from_the_command_line(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    config = EngineArgs(str(folder), device="cpu", cuda_graph_sizes="8,1,4,4").create_engine_config()
+    assert config.compilation_config.cuda_graph_sizes == [1, 4, 8], "sizes are deduplicated and sorted"
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineArgs(str(folder), device="cpu", cuda_graph_sizes="1,x").create_engine_config()
+    with pytest.raises(ValueError, match="compilation level"):
+        EngineArgs(str(folder), device="cpu", compilation_level=3).create_engine_config()
+
+
+# -- memory sizing ------------------------------------------------------------------------------
+
+
+def test_one_max_length_request_that_does_not_fit_is_refused_with_the_numbers(tiny_qwen3):
+    from minivllm.executor.worker import Worker
+
+    folder, _ = tiny_qwen3
+    worker = Worker.__new__(Worker)  # only the report: no model needed
+    worker.config = EngineArgs(str(folder), device="cpu", max_model_len=512, block_size=16).create_engine_config()
+    gib = 2**30
+    # 32 blocks are needed for 512 tokens; 31 fit.
+    with pytest.raises(ValueError, match=r"not even one request of max_model_len=512 fits.*needs 32 blocks") as err:
+        worker._report(total=80 * gib, others=0, weights=gib, peak=2 * gib, num_blocks=31, bytes_per_block=1 << 20)
+    assert "gpu_memory_utilization" in str(err.value), "the message says which setting to change"
+    worker._report(total=80 * gib, others=0, weights=gib, peak=2 * gib, num_blocks=64, bytes_per_block=1 << 20)
+    assert worker.memory_profile["max_concurrency"] == 2.0, "64 blocks hold two requests of 32 blocks"
+    assert worker.memory_profile["activation_peak_GiB"] == 1.0, "the activation peak is the peak minus the weights"
+
+
+# -- persistent batch and padding ---------------------------------------------------------------
+
+
+def test_rows_are_reused_and_a_resumed_request_gets_a_fresh_block_table():
+    import numpy as np
+
+    from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=8, pin_memory=False)
+    a = CachedRequestState("a", [5, 6, 7], [], SamplingParams(), None)
+    batch.add_request(a, [3, 4], num_computed_tokens=0)
+    batch.add_request(CachedRequestState("b", [1], [], SamplingParams(), None), [9], num_computed_tokens=0)
+    with pytest.raises(RuntimeError, match="full"):
+        batch.add_request(CachedRequestState("c", [1], [], SamplingParams(), None), [1], 0)
+    batch.append_token("a", 8)
+    row = batch.req_id_to_row["a"]
+    assert batch.token_ids_np[row, :4].tolist() == [5, 6, 7, 8] and a.output_token_ids == [8]
+    batch.remove_request("b")
+    batch.add_request(CachedRequestState("c", [2, 2], [], SamplingParams(), None), [1], 0)
+    assert len(batch) == 2, "a finished request's row goes to the next request"
+    batch.append_block_ids("a", [11], replace=True)
+    assert batch.num_blocks[row] == 1 and batch.block_table_np[row, 0] == 11, "a resumed request's table is rebuilt"
+    assert np.array_equal(batch.rows_of(["c", "a"]), [batch.req_id_to_row["c"], row])
+
+
+@pytest.mark.slow
+def test_padded_decode_batches_give_the_same_tokens(tiny_qwen3):
+    """Replay decode steps padded to a captured size (eagerly, as the CPU has no graphs)."""
+    from minivllm.executor import cuda_graphs
+    from minivllm.forward_context import set_forward_context
+
+    folder, prompts = tiny_qwen3
+    common = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", attention_backend="triton",
+                  num_gpu_blocks_override=64, max_model_len=128)
+    expected = greedy_tokens(LLM(str(folder), **common), prompts, max_tokens=6)
+
+    class EagerPaddedRunner(cuda_graphs.CudaGraphRunner):
+        """Runs the padded batch over the same buffers and metadata a graph would record."""
+
+        replays: list[int] = []
+
+        def capture(self) -> None:
+            self.metadata = {size: self.make_decode_metadata(size) for size in self.capture_sizes}
+
+        def replay(self, size: int):
+            self.replays.append(size)
+            with set_forward_context(self.metadata[size]):
+                return self.forward(self.input_ids[:size], self.positions[:size])
+
+    llm = LLM(str(folder), **common)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    runner.cuda_graphs = EagerPaddedRunner(runner.forward, [2, 8], runner._graph_metadata, runner.input_ids.gpu,
+                                           runner.positions.gpu)
+    runner.cuda_graphs.capture()
+    assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding rows must not change any request's tokens"
+    assert 8 in EagerPaddedRunner.replays, "5 decodes should have run padded to 8"
