@@ -22,22 +22,27 @@ from minivllm.scheduler.output import CachedRequestData, NewRequestData, Schedul
 class Scheduler:
     """Your methods of `minivllm.scheduler.scheduler.Scheduler`; each is set on the real class."""
 
-    # exercise[ch03-schedule-waiting]: admit the head while seats, budget, blocks last; NewRequestData, or CachedRequestData if resumed
+    # exercise[ch03-schedule-waiting]: admit the head while seats, budget, blocks last; cached prefix first; NewRequestData, or CachedRequestData if resumed
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> int:
         """Admit waiting requests, oldest first; return the token budget left.
 
         The head of `self.waiting` is admitted when there is a seat (fewer than `max_num_seqs`
         requests running), `num_tokens_to_schedule` gives it more than 0 tokens, and the KV
         cache manager finds blocks for them. Otherwise admission stops for this step: a later
-        request never overtakes the head (first come, first served). An admitted request moves
-        to the end of `self.running` with status RUNNING, and its tokens are recorded in
-        `output.num_scheduled_tokens`. What the model runner is sent depends on whether it has
-        seen the request: a new one goes into `output.scheduled_new_reqs` as `NewRequestData`
-        (prompt, sampling params, blocks); one resumed after preemption into
-        `output.scheduled_cached_reqs` as `CachedRequestData` with `resumed_from_preemption=True`,
-        so the runner rebuilds its block table from the new block ids.
+        request never overtakes the head (first come, first served). Before counting its
+        tokens, `self._find_cached_prefix(request)` looks its prefix up in the cache: the hit
+        tokens become its `num_computed_tokens` and the hit blocks go to `allocate_slots` as
+        `new_computed_blocks`; if it is not admitted after all, `num_computed_tokens` goes
+        back to 0. Once admitted, `self._admit_cached_prefix(request, hit)` records the hit.
+        An admitted request moves to the end of `self.running` with status RUNNING, and its
+        tokens are recorded in `output.num_scheduled_tokens`. What the model runner is sent
+        depends on whether it has seen the request: a new one goes into
+        `output.scheduled_new_reqs` as `NewRequestData` (prompt, sampling params, all its
+        block ids); one resumed after preemption into `output.scheduled_cached_reqs` as
+        `CachedRequestData` with `resumed_from_preemption=True` and all its block ids, so the
+        runner rebuilds its block table from them.
         """
-        raise NotImplementedError("ch03-schedule-waiting: admit the head while seats, budget, blocks last; NewRequestData, or CachedRequestData if resumed")
+        raise NotImplementedError("ch03-schedule-waiting: admit the head while seats, budget, blocks last; cached prefix first; NewRequestData, or CachedRequestData if resumed")
 
     # exercise[ch03-allocate-or-preempt]: retry allocate_slots; while it fails, preempt the last running request (None if it is this one)
     def _allocate_or_preempt(
@@ -53,17 +58,19 @@ class Scheduler:
         """
         raise NotImplementedError("ch03-allocate-or-preempt: retry allocate_slots; while it fails, preempt the last running request (None if it is this one)")
 
-    # exercise[ch03-preempt]: free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting
+    # exercise[ch03-preempt]: (swap mode: swap_out first) free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's K/V; keep its tokens; queue it first.
 
-        `request` is already out of `self.running`. Give its blocks back to the KV cache
+        `request` is already out of `self.running`. With `config.preemption_mode == "swap"`,
+        first have the KV cache manager copy its blocks to the CPU tier
+        (`kv_cache_manager.swap_out(request)`). Give its blocks back to the KV cache
         manager; set its status to PREEMPTED and `num_computed_tokens` to 0 (its prompt and the
         tokens it generated are recomputed when it resumes; its tokens themselves are kept);
         add one to `request.num_preemptions` and to `self.num_preemptions`; and put it at the
         front of `self.waiting`, so it is the first to resume.
         """
-        raise NotImplementedError("ch03-preempt: free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting")
+        raise NotImplementedError("ch03-preempt: (swap mode: swap_out first) free its blocks; PREEMPTED; num_computed_tokens = 0, tokens kept; count it; front of waiting")
 
 
 # exercise[ch03-num-new-tokens]: num_tokens - num_computed_tokens, cut to the budget; unchunked: 0 unless all fit

@@ -12,19 +12,26 @@
 #   ch04-prefill-attention  TorchAttentionBackend._prefill  (minivllm/attention/torch_backend.py)
 #   ch04-decode-attention   TorchAttentionBackend._decode  (minivllm/attention/torch_backend.py)
 #   ch04-slot-mapping       compute_slot_mapping  (minivllm/executor/model_runner.py)
+#   ch04-block-hash         hash_block_tokens  (minivllm/kv_cache/block_hash.py)
 #   ch04-get-new-blocks     BlockPool.get_new_blocks  (minivllm/kv_cache/block_pool.py)
 #   ch04-free-blocks        BlockPool.free_blocks  (minivllm/kv_cache/block_pool.py)
+#   ch04-touch              BlockPool.touch  (minivllm/kv_cache/block_pool.py)
+#   ch04-free-queue-remove  FreeKVCacheBlockQueue.remove  (minivllm/kv_cache/free_queue.py)
+#   ch04-computed-blocks    KVCacheManager.get_computed_blocks  (minivllm/kv_cache/manager.py)
 #   ch04-allocate-slots     KVCacheManager.allocate_slots  (minivllm/kv_cache/manager.py)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.kv_cache.block_pool import KVCacheBlock
+from minivllm.kv_cache.block_hash import BlockHash
+from minivllm.kv_cache.free_queue import KVCacheBlock
 from minivllm.kv_cache.manager import cdiv
 from minivllm.request import Request
 
@@ -89,37 +96,98 @@ def compute_slot_mapping(block_table: list[int], positions: Sequence[int], block
     raise NotImplementedError("ch04-slot-mapping: slot of position p = block_table[p // block_size] * block_size + p % block_size")
 
 
+# exercise[ch04-block-hash]: sha256 over parent hash + the block's token ids + repr(extra_keys); digest() is the hash
+def hash_block_tokens(
+    parent_block_hash: BlockHash, block_token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
+    """The hash of one full block, chained to the hash of the block before it.
+
+    Feed SHA-256 the parent's hash (`NONE_HASH` for a request's first block), then the
+    block's token ids as 64-bit integers (`array("q", ...).tobytes()`), then `repr(extra_keys)`
+    encoded as UTF-8 (the repr of None when there are none); return the digest (32 bytes).
+    Equal inputs give equal hashes; change any token, any extra key or any earlier block and
+    the hash changes.
+    """
+    raise NotImplementedError("ch04-block-hash: sha256 over parent hash + the block's token ids + repr(extra_keys); digest() is the hash")
+
+
 class BlockPool:
     """Your methods of `minivllm.kv_cache.block_pool.BlockPool`; each is set on the real class."""
 
-    # exercise[ch04-get-new-blocks]: pop from the front of free_block_queue, ref_cnt = 1 each; ValueError, taking nothing, if too few are free
+    # exercise[ch04-get-new-blocks]: popleft from free_block_queue, self._maybe_evict_cached_block(it), ref_cnt = 1; ValueError, taking nothing, if too few are free
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks off the front of the free queue, each now held once.
 
+        A free block may still be in the prefix cache; its old K/V are about to be
+        overwritten, so call `self._maybe_evict_cached_block(block)` on each block taken.
         Raises ValueError, and takes nothing, when fewer than `num_blocks` blocks are free.
         """
-        raise NotImplementedError("ch04-get-new-blocks: pop from the front of free_block_queue, ref_cnt = 1 each; ValueError, taking nothing, if too few are free")
+        raise NotImplementedError("ch04-get-new-blocks: popleft from free_block_queue, self._maybe_evict_cached_block(it), ref_cnt = 1; ValueError, taking nothing, if too few are free")
 
     # exercise[ch04-free-blocks]: ref_cnt -= 1 for each block, in order; a block that reaches 0 goes to the back of free_block_queue
-    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; a block nobody holds any more becomes free.
 
         Freed blocks join the back of the free queue in the order given, so they are the
-        last to be handed out again.
+        last to be handed out again. A cached block stays cached while it is free.
         """
         raise NotImplementedError("ch04-free-blocks: ref_cnt -= 1 for each block, in order; a block that reaches 0 goes to the back of free_block_queue")
+
+    # exercise[ch04-touch]: each block: if ref_cnt == 0 it is free, so free_block_queue.remove(block); then ref_cnt += 1
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Add one holder to each block, found in the prefix cache by a new request.
+
+        A cached block that nobody held is still in the free queue (it may be evicted any
+        moment): take it out, wherever it is, before counting the new holder.
+        """
+        raise NotImplementedError("ch04-touch: each block: if ref_cnt == 0 it is free, so free_block_queue.remove(block); then ref_cnt += 1")
+
+
+class FreeKVCacheBlockQueue:
+    """Your methods of `minivllm.kv_cache.free_queue.FreeKVCacheBlockQueue`; each is set on the real class."""
+
+    # exercise[ch04-free-queue-remove]: link block's neighbours to each other, clear its two links, count one block less
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from wherever it is in the queue, in O(1).
+
+        Its neighbours (`prev_free_block`, `next_free_block`; a sentinel at either end) are
+        linked to each other; the block's own two links become None, so it is visibly out
+        of the queue; `num_free_blocks` drops by one. Raises ValueError if the block is not
+        in the queue (its links are None).
+        """
+        raise NotImplementedError("ch04-free-queue-remove: link block's neighbours to each other, clear its two links, count one block less")
 
 
 class KVCacheManager:
     """Your methods of `minivllm.kv_cache.manager.KVCacheManager`; each is set on the real class."""
 
-    # exercise[ch04-allocate-slots]: need cdiv(num_computed_tokens + num_new_tokens, block_size) blocks; take only the missing; None if too few free
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens; return the ids of blocks added.
+    # exercise[ch04-computed-blocks]: walk block_hashes(request) up to (num_tokens - 1) // block_size blocks; stop at the first get_cached_block miss
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The request's leading blocks already in the prefix cache, and the tokens they hold.
+
+        Walk the request's block hashes (`self.block_hashes(request)`) in order and look each
+        up with `self.block_pool.get_cached_block`; stop at the first miss: a block is only
+        reusable if every block before it is. Look at most `(num_tokens - 1) // block_size`
+        blocks: the last token is always computed again, because the model must produce
+        its logits to sample the next token. Returns `([], 0)` when caching is disabled.
+        Nothing is taken yet: `allocate_slots` takes the blocks if the request is admitted.
+        """
+        raise NotImplementedError("ch04-computed-blocks: walk block_hashes(request) up to (num_tokens - 1) // block_size blocks; stop at the first get_cached_block miss")
+
+    # exercise[ch04-allocate-slots]: need cdiv(num_computed_tokens + num_new_tokens, block_size); new_computed_blocks count as held; None if too few free; touch, take, cache
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; return the ids of the blocks taken new.
 
         The request's blocks (`req_to_blocks[request.request_id]`) must cover its
-        `num_computed_tokens + num_new_tokens` tokens afterwards. Only the missing blocks are
-        taken from the pool; the list is empty when the blocks it holds already have room.
-        Returns None, allocating nothing, when the pool has too few free blocks.
+        `num_computed_tokens + num_new_tokens` tokens afterwards. On admission
+        `new_computed_blocks` are its prefix-cache hits (already counted in
+        `num_computed_tokens`): they come first in its block table, and
+        `self.block_pool.touch` takes them. The blocks still missing are taken from the pool
+        with `get_new_blocks`. Touching a hit that nobody held takes it off the free queue,
+        so such hits count against the free blocks too. Returns None, changing nothing, when
+        the pool has too few free blocks; `[]` when no new block is needed. Last, full blocks
+        are entered in the prefix cache: `self.cache_full_blocks(request, num_tokens)`.
         """
-        raise NotImplementedError("ch04-allocate-slots: need cdiv(num_computed_tokens + num_new_tokens, block_size) blocks; take only the missing; None if too few free")
+        raise NotImplementedError("ch04-allocate-slots: need cdiv(num_computed_tokens + num_new_tokens, block_size); new_computed_blocks count as held; None if too few free; touch, take, cache")

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minivllm.kv_cache.block_hash import BlockHash, extend_block_hashes
-from minivllm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from minivllm.kv_cache.block_pool import BlockPool
+from minivllm.kv_cache.free_queue import KVCacheBlock
 from minivllm.kv_cache.offload import CPUOffloadTier
 from minivllm.request import Request
 
