@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1]
-KERNELS_JSON = DOCS / "data" / "kernels-h200-2026-12-02.json"
+KERNELS_JSON = DOCS / "data" / "kernels-h200-2026-12-03.json"
 THROUGHPUT_JSONS = {
     "torch backend": DOCS / "data" / "throughput-torch-h200-2026-12-02.json",
     "Triton backend": DOCS / "data" / "throughput-triton-h200-2026-12-02.json",
@@ -118,7 +118,8 @@ def plot(data: dict, throughput: dict[str, dict], out: Path = OUT, when: str = "
     ax_e2e.spines[["top", "right"]].set_visible(False)
     ax_e2e.set_ylim(0, max(values) * 1.15)
     ax_e2e.set_ylabel("output tokens/s", fontsize=8)
-    ax_e2e.set_title(f"end to end, {throughput[names[0]]['model']}", fontsize=9)
+    measured = THROUGHPUT_JSONS[names[0]].stem.split("-", 3)[-1]  # the date in the file name
+    ax_e2e.set_title(f"end to end, {throughput[names[0]]['model']}\nmeasured {measured}", fontsize=9)
 
     fig.suptitle(f"{data['device']}, bf16, torch {data['torch']}, triton {data['triton']}{when}", fontsize=8, color="#424242")
     out.parent.mkdir(parents=True, exist_ok=True)
