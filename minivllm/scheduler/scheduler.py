@@ -22,6 +22,7 @@ imported by name, so the exercise checker can swap a learner's version in.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ from minivllm.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger("minivllm")
+
 
 @dataclass
 class PrefixHit:
@@ -106,6 +110,8 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         token_budget = self.config.max_num_batched_tokens
+        # Structured output: a request whose grammar is still compiling sits this step out.
+        held_back = self._hold_back_requests_waiting_for_grammar()
 
         # 1. Running requests first: each continues its prompt or decodes one token.
         token_budget = self._schedule_running(output, token_budget)
@@ -113,6 +119,7 @@ class Scheduler:
         #    A step that had to preempt admits nobody: memory is already short.
         if not output.preempted_req_ids:
             self._schedule_waiting(output, token_budget)
+        self.waiting.extendleft(reversed(held_back))  # back in their place, at the front
 
         # 3. The tokens scheduled now will have K/V once the step ran; count them as computed.
         for request_id, num_tokens in output.num_scheduled_tokens.items():
@@ -283,6 +290,8 @@ class Scheduler:
                 request.append_output_token(token_id)
                 if check_stop(request, self.max_model_len):
                     break
+            if request.structured_output_request is not None:
+                self._advance_grammar(request, token_ids)
             output = EngineCoreOutput(request_id, token_ids, num_cached_tokens=max(request.num_cached_tokens, 0))
             if runner_output.logprobs is not None and request.sampling_params.logprobs is not None:
                 n = request.sampling_params.logprobs + 1
@@ -298,6 +307,34 @@ class Scheduler:
         return outputs
 
     # --8<-- [end:update-from-output]
+
+    # -- structured output (chapter 11) ------------------------------------------------------
+
+    def _hold_back_requests_waiting_for_grammar(self) -> list[Request]:
+        """Take the waiting requests whose grammar is not compiled yet out of `self.waiting`.
+
+        Those whose grammar is ready become ordinary WAITING requests, in their place.
+        """
+        held_back: list[Request] = []
+        still_waiting: deque[Request] = deque()
+        for request in self.waiting:
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output_request.is_grammar_ready():
+                    held_back.append(request)
+                    continue
+                request.status = RequestStatus.WAITING
+            still_waiting.append(request)
+        if held_back:
+            self.waiting = still_waiting
+        return held_back
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> None:
+        """The request's matcher follows its new tokens; reaching the grammar's end is a stop."""
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens(token_ids):
+            logger.error("request %s sampled a token its grammar refuses: %s", request.request_id, token_ids)
+        if grammar.is_terminated() and not request.is_finished():
+            request.status = RequestStatus.FINISHED_STOPPED
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
