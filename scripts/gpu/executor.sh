@@ -33,8 +33,9 @@ for part in $PARTS; do
       timeout 400 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -x 2>&1 | tail -15 | tee -a "$LOG" ;;
     qwen)
       bench throughput-qwen3-graphs throughput --shape qwen3-0.6b
-      bench throughput-qwen3-eager throughput --shape qwen3-0.6b --enforce-eager --no-bound
       bench throughput-qwen3-hf throughput --shape qwen3-0.6b --hf --no-bound ;;
+    qwen-eager)
+      bench throughput-qwen3-eager throughput --shape qwen3-0.6b --enforce-eager --no-bound ;;
     llama)
       bench throughput-llama-graphs throughput --shape llama-3.2-1b
       bench throughput-llama-hf throughput --shape llama-3.2-1b --hf --no-bound ;;
