@@ -5,7 +5,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec 2>&1 | tail -2
+if ! pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
+  tail -20 "$OUT/pip.txt"; echo "the serve extra did not install: see pip.txt"; exit 1
+fi
 ln -sfn "$PWD/kernels" minivllm/kernels
 MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
 ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048"
