@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ! pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
+if ! python -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
   tail -20 "$OUT/pip.txt"; echo "the serve extra did not install: see pip.txt"; exit 1
 fi
 ln -sfn "$PWD/kernels" minivllm/kernels
