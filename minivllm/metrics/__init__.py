@@ -82,12 +82,17 @@ class RequestObserver:
         times = output.metrics
         num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         if times is not None and num_new_tokens and times.last_token_time is not None:
+            # Deltas that waited for a slow reader arrive merged: the tokens of one output share
+            # the gap since the previous token, so every token after the first counts once.
+            num_gaps = num_new_tokens
             if self.last_token_time is None:
-                self.metrics.time_to_first_token.observe(times.last_token_time - times.arrival_time)
-            else:
-                # Deltas that waited for a slow reader arrive merged: share the gap among their tokens.
-                gap = (times.last_token_time - self.last_token_time) / num_new_tokens
-                for _ in range(num_new_tokens):
+                first = times.first_token_time or times.last_token_time
+                self.metrics.time_to_first_token.observe(first - times.arrival_time)
+                self.last_token_time = first
+                num_gaps -= 1
+            if num_gaps:
+                gap = (times.last_token_time - self.last_token_time) / num_gaps
+                for _ in range(num_gaps):
                     self.metrics.inter_token_latency.observe(gap)
             self.last_token_time = times.last_token_time
         self.metrics.generation_tokens.inc(num_new_tokens)
