@@ -4,7 +4,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps .whl/pyzmq-*.whl .whl/msgspec-*.whl 2>&1 | tail -1
+python -m pip install -q --no-deps .whl/pyzmq-*.whl .whl/msgspec-*.whl 2>&1 | grep -v WARNING | tail -1
+python -c "import zmq, msgspec" || exit 1
 ln -sfn "$PWD/kernels" minivllm/kernels
 git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
 for mode in inproc mp mp inproc; do
