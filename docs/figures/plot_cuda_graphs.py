@@ -36,14 +36,15 @@ def plot(data: dict, out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for shape, style in [("qwen3-0.6b", "-"), ("llama-3.2-1b", "--")]:
         graphs = data.get(f"latency-{shape}-graphs")
-        eager = data.get(f"latency-{shape}-eager")
-        if not graphs or not eager:
-            continue
-        xs = [p["batch_size"] for p in graphs["points"]]
-        left.plot(xs, [p["decode_step_ms"] for p in graphs["points"]], style, marker="o", color=MINIVLLM, label=f"{shape}, CUDA graphs")
-        left.plot([p["batch_size"] for p in eager["points"]], [p["decode_step_ms"] for p in eager["points"]], style,
-                  marker="s", color=EAGER, label=f"{shape}, eager")
-        left.plot(xs, [p["floor_ms"] for p in graphs["points"]], style, color=FLOOR, linewidth=1, label=f"{shape}, floor")
+        eager = data.get(f"latency-{shape}-eager")  # a series the run did not reach is left out
+        if graphs:
+            xs = [p["batch_size"] for p in graphs["points"]]
+            left.plot(xs, [p["decode_step_ms"] for p in graphs["points"]], style, marker="o", color=MINIVLLM,
+                      label=f"{shape}, CUDA graphs")
+            left.plot(xs, [p["floor_ms"] for p in graphs["points"]], style, color=FLOOR, linewidth=1, label=f"{shape}, floor")
+        if eager:
+            left.plot([p["batch_size"] for p in eager["points"]], [p["decode_step_ms"] for p in eager["points"]], style,
+                      marker="s", color=EAGER, label=f"{shape}, eager")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("decode batch size (requests)")

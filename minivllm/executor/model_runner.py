@@ -256,7 +256,8 @@ class ModelRunner:
             if cached.req_id not in batch:  # resumed after preemption
                 batch.add_request(self.requests[cached.req_id], cached.new_block_ids, cached.num_computed_tokens)
                 continue
-            batch.append_block_ids(cached.req_id, cached.new_block_ids, replace=cached.resumed_from_preemption)
+            if cached.new_block_ids or cached.resumed_from_preemption:  # most decode steps add no block
+                batch.append_block_ids(cached.req_id, cached.new_block_ids, replace=cached.resumed_from_preemption)
             batch.num_computed_tokens[batch.req_id_to_row[cached.req_id]] = cached.num_computed_tokens
     # --8<-- [end:update-states]
 
