@@ -169,3 +169,17 @@ def test_padded_decode_batches_give_the_same_tokens(tiny_qwen3):
     runner.cuda_graphs.capture()
     assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding rows must not change any request's tokens"
     assert 8 in EagerPaddedRunner.replays, "5 decodes should have run padded to 8"
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_tokens(tiny_qwen3):
+    """Compilation level 1 on the CPU (Inductor's C++ backend); the GPU test adds CUDA graphs."""
+    import torch._dynamo
+
+    folder, prompts = tiny_qwen3
+    common = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=64)
+    expected = greedy_tokens(LLM(str(folder), **common), prompts)
+    torch._dynamo.utils.counters.clear()
+    compiled = LLM(str(folder), compilation_level=1, **common)
+    assert greedy_tokens(compiled, prompts) == expected, "torch.compile must not change greedy tokens"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the model should really have been compiled"
