@@ -52,7 +52,9 @@ def make_prompts(args: argparse.Namespace) -> list[str | list[int]]:
         prompts: list[str | list[int]] = [json.loads(line)["prompt"] if line.startswith("{") else line for line in lines]
         return [prompts[i % len(prompts)] for i in range(args.num_prompts)]
     low, high = RANDOM_TOKEN_RANGE
-    return [[rng.randrange(low, high) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
+    # vLLM's --random-prefix-len: the same tokens open every prompt (a shared system prompt).
+    prefix = [rng.randrange(low, high) for _ in range(args.random_prefix_len)]
+    return [prefix + [rng.randrange(low, high) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
 
 
 # --8<-- [start:one-request]
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dataset-path", default=None, help="file: one prompt per line (text, or JSON with 'prompt')")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=128)
+    parser.add_argument("--random-prefix-len", type=int, default=0, help="tokens shared by every prompt, before its random part")
     parser.add_argument("--random-output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
     parser.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson", help="gaps between requests")
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command="minivllm bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
         num_prompts=args.num_prompts, request_rate=args.request_rate, arrival=args.arrival, max_concurrency=args.max_concurrency,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_prefix_len=args.random_prefix_len,
     )
     _print_summary(summary)
     if args.result_file:
