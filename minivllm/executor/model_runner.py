@@ -75,8 +75,8 @@ class _StepBuffers:
 
     def copy_to_device(self, n: int) -> torch.Tensor:
         # Non-blocking from pinned memory: the copy overlaps the host's work on the rest of
-        # the step. The host rewrites `cpu` only next step, after this step's sampled tokens
-        # were read back (a sync), so the copy has finished by then.
+        # the step. The host must not rewrite `cpu` before the copy is done: the runner waits
+        # for that (`inputs_copied`) before it prepares the next step.
         self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
         return self.gpu[:n]
 
@@ -105,6 +105,9 @@ class ModelRunner:
         self.forward = None  # the model's forward, or its torch.compile'd version
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Recorded after each step's host-to-device copies; a step with no token to sample
+        # never syncs, so the next one waits on this before reusing the pinned buffers.
+        self.inputs_copied: torch.cuda.Event | None = None
 
     # --8<-- [start:load-model]
     def load_model(self) -> None:
@@ -263,6 +266,8 @@ class ModelRunner:
 
     # --8<-- [start:prepare-inputs]
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        if self.inputs_copied is not None:
+            self.inputs_copied.synchronize()
         batch = self.input_batch
         # Decodes (one token) first: the attention backends handle them as one group.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
@@ -318,6 +323,9 @@ class ModelRunner:
         self.input_ids.copy_to_device(n)
         self.positions.copy_to_device(n)
         logits_indices_gpu = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self.inputs_copied = torch.cuda.Event()
+            self.inputs_copied.record()
         return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_indices_gpu, graph_size)
     # --8<-- [end:prepare-inputs]
 

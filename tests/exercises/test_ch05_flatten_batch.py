@@ -61,3 +61,30 @@ def test_matches_the_slot_mapping_of_each_request(block_size, requests, rng):
     assert req_indices.tolist() == expected_reqs
     assert positions.tolist() == expected_positions
     assert slots.tolist() == expected_slots, "the flat slots must equal chapter 04's slot mapping, request by request"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import random
+
+    from hf_reference import TINY_CONFIGS, hf_greedy, make_tiny_model
+
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, TINY_CONFIGS["llama"]["vocab_size"]) for _ in range(n)] for n in (1, 7, 13, 4)]
+    return folder, prompts, [run.token_ids for run in hf_greedy(folder, prompts, 8, num_logprobs=1)]
+
+
+@pytest.mark.exercise("ch05-flatten-batch")
+def test_the_engine_under_stress_matches_hf_greedy(tiny_llama):
+    """Your flatten_batch in the real engine: blocks of 3 tokens, 8-token steps, a preemption."""
+    from conftest import TEST_DEVICE
+    from minivllm import LLM, SamplingParams
+
+    folder, prompts, expected = tiny_llama
+    llm = LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", attention_backend="torch",
+              block_size=3, num_gpu_blocks_override=14, max_num_batched_tokens=8, max_model_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    got = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert have == want, f"with your flatten_batch, prompt {i} generated {have}, but transformers generates {want}"
