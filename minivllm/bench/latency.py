@@ -5,6 +5,8 @@ one token (the prefill step), once for 1 + `--output-len` tokens. The difference
 `--output-len` is one decode step of the whole engine — scheduling, input preparation, the
 forward pass (a CUDA graph replay unless `--enforce-eager`), sampling. Median of `--num-iters`.
 
+With CUDA graphs, the replay alone is also timed (CUDA events): the GPU's share of the step.
+
 The floor: a decode step must read every weight once (and, far smaller at these lengths, the
 K/V of each context), so weight bytes over the copy bandwidth measured in the same run is the
 least time a step can take. Chapter 05 plots eager against CUDA graphs with it.
@@ -72,6 +74,19 @@ def main(argv: list[str] | None = None) -> dict:
         full = statistics.median(timed_generate(prompts, 1 + args.output_len) for _ in range(args.num_iters))
         points.append({"batch_size": batch_size, "decode_step_ms": (full - prefill) / args.output_len * 1e3,
                        "prefill_ms": prefill * 1e3})
+
+    graphs = getattr(llm.llm_engine.engine_core.executor, "worker", None)
+    graphs = graphs.model_runner.cuda_graphs if graphs is not None else None
+    if graphs is not None:
+        # The replay alone, timed with CUDA events on whatever the buffers hold from the last
+        # step: the GPU's share of a step, against the whole engine step above.
+        import triton.testing
+
+        for point in points:
+            size = graphs.padded_size(point["batch_size"])
+            if size is not None:
+                point["graph_replay_ms"] = triton.testing.do_bench(lambda: graphs.replay(size), warmup=20, rep=200,
+                                                                   return_mode="median")
 
     result = {"model": args.model or args.shape, "mode": _mode(args), "input_len": args.input_len,
               "output_len": args.output_len, "points": points}
