@@ -21,6 +21,7 @@ from minivllm.kernels.paged_attention import (
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    merge_block_s,
     prefill_block_m,
     prefill_tiles,
 )
@@ -63,3 +64,20 @@ def call_kernel(name: str, *args, **kernel_kwargs):
             assert_close(name, torch.nan_to_num(got), torch.nan_to_num(want))
     return out
 # --8<-- [end:call-kernel]
+
+
+def num_compiled_variants() -> int:
+    """How many compiled variants of minivllm's Triton kernels this process holds (0 when
+    interpreting). A benchmark compares it before and after its timed run: a compile inside
+    the run is a stall that a warm-up should have taken."""
+    import triton
+
+    from minivllm.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+
+    total = 0
+    for module in (activation, paged_attention, reshape_and_cache, rms_norm, rotary):
+        for obj in vars(module).values():
+            caches = getattr(obj, "device_caches", None) if isinstance(obj, triton.runtime.JITFunction) else None
+            for entry in (caches or {}).values():
+                total += len(entry[0])  # (kernel_cache, ...) per device
+    return total

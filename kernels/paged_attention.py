@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._utils import next_power_of_2
+from minivllm.kernels._utils import aligned, next_power_of_2
 
 
 # -- references --------------------------------------------------------------------------------
@@ -100,7 +100,9 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
 
 
 # --8<-- [start:decode-partial-kernel]
-@triton.jit
+# num_splits and split_size change from step to step; left unspecialized, they never cause a
+# recompile (Triton would otherwise compile a variant for 1 and for multiples of 16).
+@triton.jit(do_not_specialize=["num_splits", "split_size"])
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
     scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
@@ -145,7 +147,7 @@ def _decode_partial_kernel(
 
 
 # --8<-- [start:decode-merge-kernel]
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     mid_out_ptr, mid_ml_ptr, out_ptr, out_stride_seq, out_stride_head, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_HEADS: tl.constexpr,
@@ -197,6 +199,7 @@ def paged_decode_attention(
         num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_size)
+    query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
     mid_out = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=query.device)
     mid_ml = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=query.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -210,10 +213,15 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     _decode_merge_kernel[(num_seqs, num_heads)](
         mid_out, mid_ml, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(num_splits), NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=merge_block_s(num_splits), NUM_HEADS=num_heads,
     )
     return out
 # --8<-- [end:decode-launcher]
+
+
+def merge_block_s(num_splits: int) -> int:
+    """The merge kernel's split tile: a power of two, at least 16, so that few variants exist."""
+    return max(16, next_power_of_2(num_splits))
 
 
 # -- prefill -------------------------------------------------------------------------------------
@@ -327,8 +335,14 @@ def prefill_tiles(query_lens_cpu: list[int], seq_lens_cpu: list[int], block_m: i
         for start in range(0, query_len, block_m):
             tiles_by_work.append((num_cached + start, seq, start))
     tiles_by_work.sort(reverse=True)
-    tiles = [[seq for _, seq, _ in tiles_by_work], [start for _, _, start in tiles_by_work]]
-    return torch.tensor(tiles, dtype=torch.int32).view(2, -1).to(device, non_blocking=True)
+    # Rows padded to a multiple of 4 int32s, so that row 1 starts 16-byte aligned as row 0
+    # does (see `aligned`); the kernel reads only the first num_tiles of each.
+    num_tiles = len(tiles_by_work)
+    padded = -(-num_tiles // 4) * 4
+    tiles = torch.zeros(2, padded, dtype=torch.int32)
+    if num_tiles:
+        tiles[:, :num_tiles] = torch.tensor([[t[1] for t in tiles_by_work], [t[2] for t in tiles_by_work]], dtype=torch.int32)
+    return tiles.to(device, non_blocking=True)[:, :num_tiles]
 
 
 def paged_prefill_attention(
@@ -354,6 +368,7 @@ def paged_prefill_attention(
         tiles = prefill_tiles(query_lens_cpu, seq_lens_cpu, block_m, query.device)
     if tiles.shape[1] == 0:
         return out
+    query, block_tables, seq_lens, query_start_loc = (aligned(t) for t in (query, block_tables, seq_lens, query_start_loc))
     # The KV head is the fastest-moving grid axis, so every head of a heavy tile starts early.
     _prefill_kernel[(num_kv_heads, tiles.shape[1])](
         query, kv_cache, block_tables, seq_lens, query_start_loc, tiles[0], tiles[1], out,

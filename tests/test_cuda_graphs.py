@@ -87,3 +87,43 @@ def test_torch_compile_gives_the_eager_tokens_with_and_without_graphs(tiny_qwen3
     for name, tokens in [("torch.compile", compiled), ("torch.compile + CUDA graphs", both)]:
         for i, (a, b) in enumerate(zip(eager, tokens)):
             assert a == b, f"prompt {i}: {name} diverged from eager at token {first_difference(a, b)}"
+
+
+def _forget_compiled_kernels() -> None:
+    """Empty the in-memory caches of minivllm's Triton kernels (the disk cache stays)."""
+    import triton
+
+    from minivllm.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
+
+    for module in (activation, paged_attention, reshape_and_cache, rms_norm, rotary):
+        for obj in vars(module).values():
+            if isinstance(obj, triton.runtime.JITFunction):
+                obj.device_caches.clear()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_no_kernel_compiles_after_the_warm_up(tiny_qwen3, enforce_eager):
+    # A compile in a running engine stalls every request of the step for a second or more:
+    # the engine compiles every variant its steps can need at start-up. Steps here vary the
+    # batch size, split prompts into chunks, hit the prefix cache (prefills with context) and
+    # decode next to prefills.
+    from minivllm.kernels import num_compiled_variants
+
+    folder, _ = tiny_qwen3
+    _forget_compiled_kernels()
+    llm = LLM(str(folder), skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=256, max_num_batched_tokens=64, enforce_eager=enforce_eager)
+    after_start = num_compiled_variants()
+    assert after_start > 0, "the warm-up compiled nothing: the count cannot be trusted"
+    rng = random.Random(5)
+    shared = [rng.randrange(2, 380) for _ in range(48)]
+    for num_prompts in (1, 3, 7, 2):
+        prompts = [shared + [rng.randrange(2, 380) for _ in range(rng.randint(1, 150))] for _ in range(num_prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True, detokenize=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().prefix_cache_hits > 0, "the workload must hit the prefix cache"
+    assert num_compiled_variants() == after_start, "a kernel was compiled after the warm-up"
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -32,7 +32,7 @@ import random
 import statistics
 import time
 
-from minivllm.bench.throughput import run_info, write_shape
+from minivllm.bench.throughput import num_kernel_variants, run_info, write_shape
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,15 +134,19 @@ def measure_throughput(llm, args, vocab_size, unique: bool) -> dict:
     if llm.llm_engine.config.cache_config.enable_prefix_caching:
         llm.reset_prefix_cache()
     before = llm.llm_engine.get_stats()
+    compiles_before = num_kernel_variants()
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    kernel_compiles = num_kernel_variants() - compiles_before
     after = llm.llm_engine.get_stats()
     num_tokens = sum(len(p) for p in prompts) + args.output_len * len(prompts)
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     return {
         "seconds": seconds, "tokens_per_s": num_tokens / seconds, "num_requests": len(prompts),
         "hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
+        "engine_steps": after.num_steps - before.num_steps,
+        "kernel_compiles_during_run": kernel_compiles,
     }
 
 

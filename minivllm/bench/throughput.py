@@ -179,6 +179,17 @@ def write_shape(shape: str):
     return write_shape_folder(shape, tempfile.mkdtemp(prefix="minivllm-shape-"))
 
 
+def num_kernel_variants() -> int:
+    """Compiled Triton kernel variants so far (0 without a GPU): a benchmark wants none in its run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    from minivllm.kernels import num_compiled_variants
+
+    return num_compiled_variants()
+
+
 def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
     from minivllm import LLM, SamplingParams
 
@@ -202,9 +213,11 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
     core = llm.llm_engine.engine_core
     steps_before = core.num_steps
+    compiles_before = num_kernel_variants()
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    kernel_compiles = num_kernel_variants() - compiles_before
     worker = getattr(core.executor, "worker", None)
     graphs = worker.model_runner.cuda_graphs if worker is not None else None
     return {
@@ -218,6 +231,7 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
         "output_tokens_per_s": round(sum(output_lens) / seconds, 1),
         "total_tokens_per_s": round((sum(output_lens) + sum(len(p) for p in prompts)) / seconds, 1),
         "engine_steps": core.num_steps - steps_before,
+        "kernel_compiles_during_run": kernel_compiles,  # should be 0: the engine warms up at start
         "preemptions": core.scheduler.num_preemptions,
         "kv_blocks": config.cache_config.num_gpu_blocks,
         "attention_backend": config.attention_backend,

@@ -17,7 +17,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processor import PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -66,6 +66,10 @@ class LLM:
             for prompt, params in zip(prompts, params_list)
         ]
         for request in prepared:
+            # generate() returns only finished outputs: the engine need not build the
+            # intermediate ones (a copy of every request's tokens, every step).
+            for core_request in request.core_requests:
+                core_request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
             engine.add_prepared(request)
         return self._run_engine([r.request_id for r in prepared], use_tqdm)
     # --8<-- [end:generate]

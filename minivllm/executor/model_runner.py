@@ -162,6 +162,55 @@ class ModelRunner:
             layer.impl = self.attn_backend
     # --8<-- [end:init-kv-cache]
 
+    # --8<-- [start:warm-up]
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the Triton kernels' variants now, not in the middle of the first requests.
+
+        Triton compiles a kernel the first time it sees a new combination of constexprs and
+        argument properties; that takes a second or more, and in a running engine it would
+        stall every request in the step. One mixed step (a decode, and a prefill continuing
+        cached tokens) runs every kernel of the forward pass; then the decode merge kernel is
+        compiled for each split-tile size it can use. Nothing is written: every slot is -1.
+        """
+        if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
+            return
+        query_lens, seq_lens = [1, 16], [17, 32]
+        num_tokens = sum(query_lens)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, 1, num_tokens], **int32),
+            seq_lens=torch.tensor(seq_lens, **int32),
+            block_tables=torch.zeros(2, self.block_tables.gpu.shape[1], **int32),
+            num_decodes=1, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=[0, 1, num_tokens], seq_lens_cpu=seq_lens,
+        )
+        positions = torch.tensor([16] + list(range(16, 32)), device=self.device)
+        with set_forward_context(meta):
+            self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
+        self._warm_up_decode_merge()
+        torch.cuda.synchronize(self.device)
+
+    def _warm_up_decode_merge(self) -> None:
+        from minivllm import kernels
+
+        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        query = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
+        block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
+        block_n = 64  # the decode launcher's default tile
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        most_splits = min(-(-4 * num_sms // layer.num_kv_heads), -(-self.max_model_len // (2 * block_n)))
+        block_s = 16
+        while block_s <= kernels.merge_block_s(most_splits):
+            splits = min(block_s, most_splits)
+            kernels.paged_decode_attention(query, layer.kv_cache, block_tables, seq_lens, layer.scale,
+                                           max_seq_len=splits * block_n, num_splits=splits, block_n=block_n)
+            block_s *= 2
+    # --8<-- [end:warm-up]
+
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, if this device and configuration use them."""
         cc = self.config.compilation_config

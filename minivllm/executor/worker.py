@@ -103,7 +103,8 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def compile_or_warm_up_model(self) -> None:
-        """After the cache exists: capture the decode CUDA graphs (CUDA, not enforce_eager)."""
+        """After the cache exists: compile the kernels, capture the decode CUDA graphs (CUDA)."""
+        self.model_runner.warm_up_kernels()
         self.model_runner.capture_cuda_graphs()
 
     # --8<-- [start:worker-execute]

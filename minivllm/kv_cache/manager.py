@@ -99,6 +99,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_needed = request.num_computed_tokens + num_new_tokens
         num_new_blocks = cdiv(num_tokens_needed, self.block_size) - len(blocks) - len(new_computed_blocks)
+        if num_new_blocks <= 0 and not new_computed_blocks:  # most decode steps: room is there
+            self.cache_full_blocks(request, num_tokens_needed)
+            return []
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_free_hits > self.block_pool.num_free_blocks:
             return None

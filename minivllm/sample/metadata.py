@@ -80,7 +80,11 @@ def build_sampling_metadata(
         )
 
     def row_tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        if device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=device)
+        # From pinned memory without blocking: `torch.tensor(..., device="cuda")` would wait
+        # for the forward pass already queued on the GPU, and the host would idle meanwhile.
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
     is_greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
 

@@ -23,7 +23,7 @@ bench() {  # name, then the arguments of `minivllm bench ...`
   local name=$1; shift
   echo "== $name: minivllm bench $*" | tee -a "$LOG"
   timeout 300 python3 -m minivllm.cli.main bench "$@" --json "/tmp/res/$name.json" >>"$LOG" 2>&1 || echo "!! $name failed ($?)" | tee -a "$LOG"
-  python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'batch_size')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
+  python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'kernel_compiles_during_run')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('graph_replay_ms', 0), 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
   merge
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
@@ -34,6 +34,14 @@ for part in $PARTS; do
     qwen)
       bench throughput-qwen3-graphs throughput --shape qwen3-0.6b
       bench throughput-qwen3-hf throughput --shape qwen3-0.6b --hf --no-bound ;;
+    qwen-graphs)  # without the HF baseline (it takes minutes and does not change with minivllm)
+      bench throughput-qwen3-graphs throughput --shape qwen3-0.6b ;;
+    llama-graphs)
+      bench throughput-llama-graphs throughput --shape llama-3.2-1b ;;
+    profile)  # where a decode step's time goes, at batch 256 and 1
+      for b in 256 1; do
+        timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+      done ;;
     qwen-eager)
       bench throughput-qwen3-eager throughput --shape qwen3-0.6b --enforce-eager --no-bound ;;
     llama)
