@@ -46,3 +46,18 @@ def test_chat_template_is_applied_once(demo_llm):
     out = demo_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     text = tokenizer.decode(out.prompt_token_ids)
     assert text.count("<|im_start|>user") == 1 and text.rstrip().endswith("<|im_start|>assistant"), text
+
+
+def test_minivllm_run_reports_its_prefix_cache_hits(capsys):
+    # Two identical chat prompts: the second finds the first one's full blocks in the cache
+    # (entered when they are scheduled, so even within the same step).
+    import re
+
+    from minivllm.cli.main import main
+
+    assert main(["run", "--prompt", "Name a colour.", "--prompt", "Name a colour.", "--max-tokens", "3"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.search(r"prefix cache hits (\d+)/(\d+) prompt tokens", summary)
+    assert match, summary
+    hits, queries = int(match[1]), int(match[2])
+    assert 0 < hits < queries, summary

@@ -18,10 +18,11 @@ least time a step can take. Chapter 05 plots eager against CUDA graphs with it.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
+
+from minivllm.bench import report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,10 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             point["times_floor"] = point["decode_step_ms"] / point["floor_ms"]
     result.update(run_info())
     result["command"] = "minivllm bench latency " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
     return result
 
 

@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 
+from minivllm.bench import report
 from minivllm.bench.throughput import num_kernel_variants, run_info, write_shape
 
 
@@ -199,10 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["kv_blocks"] = llm.llm_engine.config.cache_config.num_gpu_blocks
     result.update(run_info())
     result["command"] = "python -m minivllm.bench.prefix_caching " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    print(json.dumps(result, indent=2, default=str))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    report(result, args.json)
     return result
 
 

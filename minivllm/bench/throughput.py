@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import random
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from minivllm.bench import report
 
 
 # --8<-- [start:workload]
@@ -166,10 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     result.pop("_output_lens", None)
     result.update(run_info())
     result["command"] = "minivllm bench throughput " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    print(json.dumps(result, indent=2, default=str))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    report(result, args.json)
     return result
 
 

@@ -2,8 +2,8 @@
 
 With no arguments it loads the embedded demo model (SmolLM2-135M-Instruct) and answers a
 handful of chat prompts of different lengths together: continuous batching in action. It
-prints the answers, then tokens/s, engine steps, the peak number of KV blocks in use and the
-number of preemptions. `--trace` adds a table per step of what the scheduler chose.
+prints the answers, then tokens/s, engine steps, the peak number of KV blocks in use, the
+number of preemptions and the prompt tokens found in the prefix cache (chapter 04). `--trace` adds a table per step of what the scheduler chose.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tokens/s; "
         f"{stats.num_steps} engine steps; peak KV blocks used {stats.peak_num_blocks_used}/{stats.num_gpu_blocks}; "
-        f"preemptions {stats.num_preemptions}"
+        f"preemptions {stats.num_preemptions}; prefix cache hits {stats.prefix_cache_hits}/"
+        f"{stats.prefix_cache_queries} prompt tokens"
     )
     return 0
 
