@@ -127,3 +127,16 @@ def test_no_kernel_compiles_after_the_warm_up(tiny_qwen3, enforce_eager):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_the_multiprocess_executor_gives_the_same_tokens_on_cuda(tiny_qwen3):
+    # The worker in its own process owns the GPU, the graphs and the cache; the tokens that
+    # come back through the broadcast queue must be the in-process worker's.
+    folder, prompts = tiny_qwen3
+    uni, _ = run(folder, prompts, cuda_graph_sizes="1,2,4,8")
+    llm = LLM(str(folder), skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=128, cuda_graph_sizes="1,2,4,8", distributed_executor_backend="mp")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    mp = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm.llm_engine.engine_core.shutdown()
+    assert mp == uni
