@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.kernels._utils import assert_close, check_kernel_against_reference
+from minivllm.kernels._utils import aligned, assert_close, check_kernel_against_reference
 from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    decode_num_splits,
     merge_block_s,
     prefill_block_m,
     prefill_tiles,
@@ -66,18 +67,19 @@ def call_kernel(name: str, *args, **kernel_kwargs):
 # --8<-- [end:call-kernel]
 
 
-def num_compiled_variants() -> int:
-    """How many compiled variants of minivllm's Triton kernels this process holds (0 when
-    interpreting). A benchmark compares it before and after its timed run: a compile inside
-    the run is a stall that a warm-up should have taken."""
+def jit_functions() -> list:
+    """Every `@triton.jit` function of minivllm's kernels (for counting or forgetting compiles)."""
     import triton
 
     from minivllm.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
 
-    total = 0
-    for module in (activation, paged_attention, reshape_and_cache, rms_norm, rotary):
-        for obj in vars(module).values():
-            caches = getattr(obj, "device_caches", None) if isinstance(obj, triton.runtime.JITFunction) else None
-            for entry in (caches or {}).values():
-                total += len(entry[0])  # (kernel_cache, ...) per device
-    return total
+    modules = (activation, paged_attention, reshape_and_cache, rms_norm, rotary)
+    return [obj for module in modules for obj in vars(module).values() if isinstance(obj, triton.runtime.JITFunction)]
+
+
+def num_compiled_variants() -> int:
+    """How many compiled variants of minivllm's Triton kernels this process holds (0 when
+    interpreting). A benchmark compares it before and after its timed run: a compile inside
+    the run is a stall that a warm-up should have taken."""
+    # device_caches: per device, (kernel_cache, ...); kernel_cache maps a variant's key to its kernel.
+    return sum(len(entry[0]) for fn in jit_functions() for entry in fn.device_caches.values())

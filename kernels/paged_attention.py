@@ -192,11 +192,7 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     if num_splits is None:
-        # Enough programs to fill every SM a few times over, but splits no shorter than two
-        # tiles: each split costs a partial write and a merge read.
-        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 1
-        wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
-        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, programs_per_sm)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_size)
     query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
@@ -217,6 +213,19 @@ def paged_decode_attention(
     )
     return out
 # --8<-- [end:decode-launcher]
+
+
+def decode_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 64, programs_per_sm: int = 4
+) -> int:
+    """How many splits the decode kernel cuts each context into.
+
+    Enough programs to fill every SM a few times over, but splits no shorter than two tiles:
+    each split costs a partial write and a merge read.
+    """
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
 
 
 def merge_block_s(num_splits: int) -> int:

@@ -91,14 +91,10 @@ def test_torch_compile_gives_the_eager_tokens_with_and_without_graphs(tiny_qwen3
 
 def _forget_compiled_kernels() -> None:
     """Empty the in-memory caches of minivllm's Triton kernels (the disk cache stays)."""
-    import triton
+    from minivllm.kernels import jit_functions
 
-    from minivllm.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary
-
-    for module in (activation, paged_attention, reshape_and_cache, rms_norm, rotary):
-        for obj in vars(module).values():
-            if isinstance(obj, triton.runtime.JITFunction):
-                obj.device_caches.clear()
+    for fn in jit_functions():
+        fn.device_caches.clear()
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

@@ -50,9 +50,14 @@ class TritonAttentionBackend:
                     query_lens, meta.seq_lens_cpu[d:], block_m, query.device
                 )
                 meta.backend_cache["prefill_query_start_loc"] = meta.query_start_loc[d:] - d
+                # Slices after the decodes, made 16-byte aligned once for every layer (chapter 06:
+                # an unaligned pointer would be another kernel variant to compile).
+                meta.backend_cache["prefill_block_tables"] = self.kernels.aligned(meta.block_tables[d:])
+                meta.backend_cache["prefill_seq_lens"] = self.kernels.aligned(meta.seq_lens[d:])
+            cache = meta.backend_cache
             output[d:n] = call(
-                "paged_prefill_attention", query[d:n], kv_cache, meta.block_tables[d:], meta.seq_lens[d:],
-                meta.backend_cache["prefill_query_start_loc"], scale, tiles=meta.backend_cache["prefill_tiles"],
+                "paged_prefill_attention", query[d:n], kv_cache, cache["prefill_block_tables"], cache["prefill_seq_lens"],
+                cache["prefill_query_start_loc"], scale, tiles=cache["prefill_tiles"],
             )
         return output
     # --8<-- [end:triton-attention-forward]

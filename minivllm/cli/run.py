@@ -3,7 +3,8 @@
 With no arguments it loads the embedded demo model (SmolLM2-135M-Instruct) and answers a
 handful of chat prompts of different lengths together: continuous batching in action. It
 prints the answers, then tokens/s, engine steps, the peak number of KV blocks in use, the
-number of preemptions and the prompt tokens found in the prefix cache (chapter 04). `--trace` adds a table per step of what the scheduler chose.
+number of preemptions and the prompt tokens found in the prefix cache (chapter 04).
+`--trace` adds a table per step of what the scheduler chose.
 """
 
 from __future__ import annotations

@@ -201,8 +201,8 @@ class ModelRunner:
         seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
         block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
         block_n = 64  # the decode launcher's default tile
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        most_splits = min(-(-4 * num_sms // layer.num_kv_heads), -(-self.max_model_len // (2 * block_n)))
+        # The most splits a step can use: one sequence of max_model_len tokens.
+        most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
         block_s = 16
         while block_s <= kernels.merge_block_s(most_splits):
             splits = min(block_s, most_splits)
