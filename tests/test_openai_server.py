@@ -406,6 +406,9 @@ def test_metrics_count_requests_and_latencies(server, client):
                  "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert "minivllm:" + name in after, f"{name} missing from /metrics"
     assert after["minivllm:kv_cache_usage_perc"] == 0.0 and after["minivllm:num_requests_running"] == 0
+    # 5 tokens from a 4-token prompt: one prefill step and four decode steps at least.
+    assert after["minivllm:engine_steps_total"] - before.get("minivllm:engine_steps_total", 0) >= 5
+    assert after["minivllm:engine_busy_seconds_total"] > before.get("minivllm:engine_busy_seconds_total", 0)
 
 
 # -- fuzzing -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +33,10 @@ from typing import Any
 # Random prompt tokens are drawn from this id range: ordinary tokens in any vocabulary of
 # 30k+ (SmolLM2: 49k, Qwen3: 152k), away from the special tokens at either end.
 RANDOM_TOKEN_RANGE = (1000, 30000)
+
+# Above this share of the wall time spent on its own CPU, the generator warns that it, not the
+# server, may be what was measured.
+CLIENT_BUSY_FRACTION = 0.9
 
 
 @dataclass
@@ -58,19 +63,19 @@ def make_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 
 
 # --8<-- [start:one-request]
-async def send_request(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
+async def send_request(session: Any, url: str, body: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
     """One streamed completion; the clock starts when the request is sent."""
     result = RequestResult(ok=False, prompt_len=prompt_len)
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:  # one SSE line at a time
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len(b"data: "):])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
@@ -89,12 +94,12 @@ async def send_request(client: Any, url: str, body: dict[str, Any], headers: dic
 # --8<-- [end:one-request]
 
 
-async def run_load(args: argparse.Namespace, prompts: list[str | list[int]], model: str) -> tuple[list[RequestResult], float]:
-    import httpx
+async def run_load(args: argparse.Namespace, prompts: list[str | list[int]], model: str) -> tuple[list[RequestResult], float, float]:
+    """Send every prompt; return the results, the wall time, and this process's CPU time meanwhile."""
+    import aiohttp
 
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
@@ -104,26 +109,30 @@ async def run_load(args: argparse.Namespace, prompts: list[str | list[int]], mod
                 # Token ids as well as text, so that a server without a tokenizer is measurable too.
                 "return_token_ids": True}
 
-    async def limited(client: Any, prompt: str | list[int]) -> RequestResult:
+    async def limited(session: Any, prompt: str | list[int]) -> RequestResult:
         prompt_len = len(prompt) if isinstance(prompt, list) else 0
         if semaphore is None:
-            return await send_request(client, url, body(prompt), headers, prompt_len)
+            return await send_request(session, url, body(prompt), headers, prompt_len)
         async with semaphore:
-            return await send_request(client, url, body(prompt), headers, prompt_len)
+            return await send_request(session, url, body(prompt), headers, prompt_len)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        warmup = await send_request(client, url, {**body(prompts[0]), "max_tokens": 4}, headers, 0)
+    # aiohttp, as vLLM's benchmark: its C parser costs the client far less per event than
+    # httpx, and a load generator must stay cheaper than the server it measures.
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency caps
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        warmup = await send_request(session, url, {**body(prompts[0]), "max_tokens": 4}, headers, 0)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
         tasks = []
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(client, prompt)))
+            tasks.append(asyncio.create_task(limited(session, prompt)))
             if args.request_rate != float("inf"):  # the gap to the next arrival
                 gap = rng.expovariate(args.request_rate) if args.arrival == "poisson" else 1.0 / args.request_rate
                 await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def run_offline(args: argparse.Namespace, prompts: list[str | list[int]]) -> tuple[list[RequestResult], float]:
@@ -203,8 +212,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results, duration = run_offline(args, prompts)
     else:
         model = args.served_model_name or _first_served_model(args)
-        results, duration = asyncio.run(run_load(args, prompts, model))
+        results, duration, client_cpu = asyncio.run(run_load(args, prompts, model))
     summary = summarize(results, duration)
+    if args.backend == "openai":
+        # A load generator that is busy all the time measures itself, not the server.
+        summary["client_cpu_fraction"] = client_cpu / duration
+        if client_cpu > CLIENT_BUSY_FRACTION * duration:
+            print(f"warning: this load generator was busy {client_cpu / duration:.0%} of the run; the server may be "
+                  "faster than these numbers (run several generators, or fewer streams)", file=sys.stderr)
     summary.update(
         backend=args.backend, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=_git_commit(),
         command="minivllm bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -219,12 +234,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _first_served_model(args: argparse.Namespace) -> str:
-    import httpx
-
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    request = urllib.request.Request(args.base_url.rstrip("/") + "/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["data"][0]["id"]
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -235,7 +235,10 @@ class AsyncLLM:
         """One task for the whole engine: core outputs → OutputProcessor → per-request collectors."""
         try:
             while True:
+                # Every step that arrived while the streams ran, oldest first: when this
+                # process falls behind the core, a stream gets one event for several tokens.
                 outputs = await self.engine_core.get_output_async()
+                outputs += self.engine_core.get_ready_outputs()
                 for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)  # let the streams run between chunks

@@ -402,6 +402,18 @@ class AsyncMPClient(MPClient):
             raise EngineDeadError(str(item))
         return item
 
+    def get_ready_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs of every step already delivered, without waiting (a dead core raises
+        at the next `get_output_async`)."""
+        outputs: list[EngineCoreOutput] = []
+        while not self.outputs_queue.empty():
+            item = self.outputs_queue.get_nowait()
+            if isinstance(item, EngineDeadError):
+                self.outputs_queue.put_nowait(item)
+                break
+            outputs += item
+        return outputs
+
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_started()
         self._send_add(request)  # never blocks: the socket has no high-water mark

@@ -128,6 +128,10 @@ class EngineStatsCollector(Collector):
         usage = used / stats.num_gpu_blocks if stats.num_gpu_blocks else 0.0
         yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", usage)
         yield family(CounterMetricFamily, "num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions)
+        # How often the core stepped and how long the steps took: against the wall clock, how
+        # busy the core was (a core waiting on this process steps less than it could).
+        yield family(CounterMetricFamily, "engine_steps", "Engine core steps since start-up.", stats.num_steps)
+        yield family(CounterMetricFamily, "engine_busy_seconds", "Seconds the engine core spent in its steps.", stats.busy_seconds)
         # Prefix-cache counters exist once the KV cache manager counts them (chapter 04).
         queries = getattr(stats, "prefix_cache_queries", 0) or 0
         hits = getattr(stats, "prefix_cache_hits", 0) or 0

@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ! python -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
+if ! python -m pip install -q --no-index --find-links .whl fastapi 'uvicorn[standard]' prometheus-client aiohttp pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
   tail -20 "$OUT/pip.txt"; echo "the serve extra did not install: see pip.txt"; exit 1
 fi
 ln -sfn "$PWD/kernels" minivllm/kernels
@@ -18,9 +18,15 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 python -m minivllm.cli.main serve "$MODEL" --port 8011 --served-model-name qwen3-0.6b $ENGINE > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 240); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 0.5; done
+# CPU seconds (user + system) the API server process has used so far: its cost per token.
+api_cpu() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$SERVER/stat"; }
 for rate in ${RATES:-16 64 inf}; do
+  before=$(api_cpu)
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:engine_(steps|busy)" | sed 's/^/before /'
   timeout 120 python -m minivllm.bench.serve --base-url http://127.0.0.1:8011 $WORKLOAD --request-rate "$rate" \
-    --result-file "$OUT/serve_rate_$rate.json" 2>&1 | grep -E "throughput|_ttft_|_tpot_|completed|failed"
+    --result-file "$OUT/serve_rate_$rate.json" 2>&1 | grep -E "throughput|_ttft_|_tpot_|completed|failed|client_cpu|warning"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:engine_(steps|busy)" | sed 's/^/after /'
+  echo "api_process_cpu_s $(python -c "print(round($(api_cpu) - $before, 2))") (rate $rate)"
 done
 curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:(num_preemptions|kv_cache|prompt_tokens|generation_tokens)" >> "$OUT/gpu.txt"
 kill "$SERVER"; wait "$SERVER" 2>/dev/null

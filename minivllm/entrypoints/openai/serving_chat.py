@@ -88,9 +88,11 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[dict[str, Any]]:
         response_id, created = random_id("chatcmpl"), ChatCompletionResponse(model=model, choices=[]).created
 
-        def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> dict[str, Any]:
+        def chunk(choice: ChatStreamChoice | dict[str, Any] | None, usage: UsageInfo | None = None) -> dict[str, Any]:
+            if isinstance(choice, ChatStreamChoice):
+                choice = choice.model_dump()
             return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice.model_dump()] if choice is not None else [],
+                    "choices": [choice] if choice is not None else [],
                     **({"usage": usage.model_dump()} if usage is not None else {})}
 
         for index in range(request.n):  # OpenAI opens every choice with the role
@@ -101,10 +103,12 @@ class OpenAIServingChat(OpenAIServing):
             for delta in output.outputs:
                 num_generated += len(delta.token_ids)
                 logprobs = self.chat_logprobs(delta.logprobs or [], request.top_logprobs or 0) if request.logprobs else None
-                yield chunk(ChatStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                ))
+                # ChatStreamChoice's fields as a plain dict: this runs for every event.
+                yield chunk({
+                    "index": delta.index, "delta": {"role": None, "content": delta.text},
+                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                })
             output = await anext(stream, None)
         if request.stream_options is not None and request.stream_options.include_usage:
             num_prompt_tokens = len(prompt["prompt_token_ids"])

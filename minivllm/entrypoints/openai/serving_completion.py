@@ -117,13 +117,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self.completion_logprobs(delta.logprobs, text_offsets.get(index, 0))
                     text_offsets[index] = text_offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
                 num_generated += len(delta.token_ids)
-                choice = CompletionChoice(
-                    index=index, text=text, logprobs=logprobs,
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                    token_ids=list(delta.token_ids) if request.return_token_ids else None,
-                )
+                # CompletionChoice's fields as a plain dict: this runs for every event of every
+                # stream, and a pydantic model plus model_dump() would cost more than the rest.
+                choice = {
+                    "index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                    "token_ids": list(delta.token_ids) if request.return_token_ids else None,
+                }
                 yield {"id": response_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [choice.model_dump()]}
+                       "choices": [choice]}
         if request.stream_options is not None and request.stream_options.include_usage:
             num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
             usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated, total_tokens=num_prompt_tokens + num_generated)
