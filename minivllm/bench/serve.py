@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -251,6 +252,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _git_commit() -> str:
+    if os.environ.get("MINIVLLM_COMMIT"):  # set by scripts run from a copy without .git
+        return os.environ["MINIVLLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
         return out.stdout.strip() or "unknown"
