@@ -116,6 +116,9 @@ class SchedulerConfig:
     # What preemption does with the victim's K/V: "recompute" frees its blocks (the cached
     # ones stay findable until evicted); "swap" also copies them to the CPU tier at once.
     preemption_mode: str = "recompute"
+    # Schedule step n+1 while step n runs on the device (chapter 05): the host's work hides
+    # behind the GPU's; a step's sampled tokens reach the scheduler one step later.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -218,6 +221,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.kv_offloading_size <= 0:
             raise ValueError("preemption_mode='swap' needs a CPU tier to swap to: set kv_offloading_size (GiB) > 0")
+        if self.scheduler_config.async_scheduling and self.parallel_config.distributed_executor_backend != "uni":
+            raise ValueError("async_scheduling runs with the in-process executor only (distributed_executor_backend='uni')")
 # --8<-- [end:engine-config]
 
 

@@ -65,6 +65,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        # Async scheduling (chapter 05): tokens a launched step is sampling that have not
+        # reached the scheduler yet (at most 1, since one step runs ahead).
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # Prefix caching: the hashes of the full blocks so far (extended by the KV cache

@@ -45,7 +45,8 @@ def run(folder, prompts, max_tokens: int = MAX_TOKENS, **engine_args) -> tuple[l
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
-    info = {"graph_sizes": sorted(graphs.graphs) if graphs is not None else None, "replays": replays}
+    info = {"graph_sizes": sorted(graphs.graphs) if graphs is not None else None, "replays": replays,
+            "overlapped_steps": llm.llm_engine.engine_core.num_overlapped_steps}
     llm.llm_engine.engine_core.shutdown()
     del llm, graphs  # drop every reference to the engine: the next one sizes its cache from what is free
     gc.collect()
@@ -67,6 +68,16 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_model):
     assert 8 in info["replays"], "5 decoding requests run padded to the size-8 graph"
     for i, (a, b) in enumerate(zip(eager, graphs)):
         assert a == b, f"prompt {i}: CUDA graphs diverged from eager at token {first_difference(a, b)}"
+
+
+def test_async_scheduling_gives_the_eager_tokens(tiny_model):
+    """Step n+1's decodes read step n's tokens on the device, also inside a replayed graph."""
+    eager, _ = run(tiny_model[0], tiny_model[1], enforce_eager=True)
+    overlapped, info = run(tiny_model[0], tiny_model[1], cuda_graph_sizes="1,2,4,8", async_scheduling=True)
+    assert info["replays"], "decode steps must replay graphs"
+    assert info["overlapped_steps"] > 0, "no step was launched while another ran"
+    for i, (a, b) in enumerate(zip(eager, overlapped)):
+        assert a == b, f"prompt {i}: async scheduling diverged from eager at token {first_difference(a, b)}"
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compilation-level", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n runs")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--no-bound", action="store_true", help="skip measuring the copy bandwidth")
@@ -195,6 +196,7 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
         skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         compilation_level=args.compilation_level, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=args.async_scheduling,
     )
     if args.model is None:
         engine_kwargs["load_format"] = "dummy"
@@ -238,6 +240,8 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
         "cuda_graph_capture_GiB": (graphs.capture_bytes / 2**30) if graphs is not None else None,
         "memory_profile": worker.memory_profile if worker is not None else None,
         "compilation_level": args.compilation_level,
+        "async_scheduling": args.async_scheduling,
+        "overlapped_steps": core.num_overlapped_steps,
         "startup_seconds": round(startup_seconds, 1),
         "dtype": str(config.model_config.dtype),
         "_prompt_lens": [len(p) for p in prompts],

@@ -48,6 +48,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False  # schedule the next step while this one runs (chapter 05)
     tensor_parallel_size: int = 1
     device: str = "auto"
     attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA, torch on CPU
@@ -99,6 +100,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=max_model_len,
                 preemption_mode=self.preemption_mode,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             device_config=device_config,

@@ -15,7 +15,7 @@ from minivllm.engine.types import EngineCoreOutput, EngineCoreRequest, EngineCor
 from minivllm.executor.executor_base import executor_class
 from minivllm.kv_cache.manager import cdiv, make_kv_cache_manager, prefix_cache_stats
 from minivllm.request import RequestStatus
-from minivllm.scheduler.output import SchedulerOutput
+from minivllm.scheduler.output import AsyncModelRunnerOutput, SchedulerOutput
 from minivllm.scheduler.scheduler import Scheduler
 from minivllm.structured_output.manager import StructuredOutputManager
 
@@ -46,6 +46,10 @@ class EngineCore:
         self.num_steps = 0
         self.peak_num_blocks_used = 0
         self.busy_seconds = 0.0
+        # Async scheduling: the step launched on the device whose outputs are not in yet.
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.pending_step: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self.num_overlapped_steps = 0  # launched while the step before was still running
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.structured_output_manager.grammar_init(self.scheduler.add_request(request))
@@ -54,7 +58,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.pending_step is not None
 
     def get_stats(self) -> EngineCoreStats:
         manager = self.scheduler.kv_cache_manager
@@ -76,21 +80,56 @@ class EngineCore:
 
     # --8<-- [start:step]
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self.step_overlapped()
         if not self.scheduler.has_unfinished_requests():
             return []
         start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        self.structured_output_manager.grammar_bitmask(scheduler_output, self.scheduler.requests)
+        scheduler_output = self._schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        self.last_scheduler_output = scheduler_output
-        self.num_steps += 1
-        manager = self.scheduler.kv_cache_manager
-        self.peak_num_blocks_used = max(self.peak_num_blocks_used, manager.block_pool.num_blocks - manager.num_free_blocks)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.busy_seconds += time.perf_counter() - start
         return outputs
     # --8<-- [end:step]
 
+    # --8<-- [start:step-overlapped]
+    def step_overlapped(self) -> list[EngineCoreOutput]:
+        """Async scheduling: launch step n+1, then finish step n, whose outputs are returned.
+
+        The device runs step n while this thread schedules and prepares step n+1, which
+        reads step n's sampled tokens on the device; only then does it wait for step n and
+        hand its tokens to the scheduler. The host's work per step hides behind the device's.
+        A request whose sampling needs its previous tokens on the host (penalties, min_tokens,
+        a grammar) makes the core finish the pending step first: those steps do not overlap.
+        """
+        start = time.perf_counter()
+        pending, launched = self.pending_step, None
+        must_wait = pending is not None and self.scheduler.num_requests_needing_host_tokens > 0
+        if self.scheduler.has_unfinished_requests() and not must_wait:
+            scheduler_output = self._schedule()
+            launched = (scheduler_output, self.executor.execute_model_async(scheduler_output))
+            self.num_overlapped_steps += pending is not None
+        outputs: list[EngineCoreOutput] = []
+        if pending is not None:
+            scheduler_output, runner_output = pending
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output.get_output())
+        self.pending_step = launched
+        self.busy_seconds += time.perf_counter() - start
+        return outputs
+    # --8<-- [end:step-overlapped]
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        self.structured_output_manager.grammar_bitmask(scheduler_output, self.scheduler.requests)
+        self.last_scheduler_output = scheduler_output
+        self.num_steps += 1
+        manager = self.scheduler.kv_cache_manager
+        self.peak_num_blocks_used = max(self.peak_num_blocks_used, manager.block_pool.num_blocks - manager.num_free_blocks)
+        return scheduler_output
+
     def shutdown(self) -> None:
+        if self.pending_step is not None:  # let the device finish before its memory goes
+            self.pending_step[1].get_output()
+            self.pending_step = None
         self.structured_output_manager.shutdown()
         self.executor.shutdown()

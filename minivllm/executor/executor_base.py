@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minivllm.scheduler.output import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 
 
 # --8<-- [start:executor-base]
@@ -36,6 +36,10 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Every rank samples the same tokens (the same logits, the same seeds); rank 0 answers.
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the step and return at once (async scheduling; the in-process worker only)."""
+        return self.collective_rpc("execute_model_async", (scheduler_output,))[0]
 
     def shutdown(self) -> None:
         """Stop the workers; the engine is unusable afterwards."""

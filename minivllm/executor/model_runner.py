@@ -30,7 +30,7 @@ from minivllm.models.layers.attention import Attention
 from minivllm.models.loader import get_model
 from minivllm.sample.metadata import build_sampling_metadata
 from minivllm.sample.sampler import Sampler
-from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minivllm.scheduler.output import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from minivllm.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger("minivllm")
@@ -63,6 +63,15 @@ class StepInputs:
     sample_rows: list[int]  # indices into req_ids of the requests sampled this step
     logits_indices: torch.Tensor  # [len(sample_rows)]: the token whose hidden state is sampled
     graph_size: int | None  # a captured decode size to replay, or None to run eagerly
+
+
+@dataclass
+class SampledOnDevice:
+    """The last launched step's sampled tokens, before the host has them (async scheduling)."""
+
+    step_id: int
+    token_ids: torch.Tensor  # [number of sampled requests], on the device
+    index: dict[str, int]  # request id -> its row of token_ids
 
 
 class _StepBuffers:
@@ -99,6 +108,13 @@ class ModelRunner:
         self.query_start_loc = _StepBuffers((self.max_num_reqs + 1,), torch.int32, device)
         self.seq_lens = _StepBuffers((self.max_num_reqs,), torch.int32, device)
         self.block_tables = _StepBuffers((self.max_num_reqs, max_blocks_per_req), torch.int32, device)
+        self.logits_indices = _StepBuffers((self.max_num_reqs,), torch.long, device)
+        # Async scheduling: which input tokens come from the last step's sampled tokens.
+        self.pending_dst = _StepBuffers((self.max_num_reqs,), torch.long, device)
+        self.pending_src = _StepBuffers((self.max_num_reqs,), torch.long, device)
+        self.sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.last_sampled: SampledOnDevice | None = None
+        self.num_steps_launched = 0
         self.sampler = Sampler()
         self.attn_backend = get_attention_backend(config.attention_backend, device)
         self.model: torch.nn.Module | None = None
@@ -251,19 +267,28 @@ class ModelRunner:
     # --8<-- [start:execute-model]
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step on the device and return before it finishes.
+
+        Everything up to sampling is queued on the device; the sampled tokens start on their
+        way to pinned host memory, and the returned output waits for them only when asked
+        (`get_output`). The next step may be prepared meanwhile: its decodes take their
+        input tokens from this step's `sampled` tensor on the device (`_prepare_inputs`).
+        """
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [])
+            return AsyncModelRunnerOutput(lambda: ModelRunnerOutput([], []))
         step = self._prepare_inputs(scheduler_output)
         if step.graph_size is not None:
             hidden_states = self.cuda_graphs.replay(step.graph_size)
         else:
             with set_forward_context(step.attn_metadata):
                 hidden_states = self.forward(self.input_ids.gpu[: step.num_tokens], self.positions.gpu[: step.num_tokens])
-        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
-        output = ModelRunnerOutput(step.req_ids, sampled_ids)
         if not step.sample_rows:
-            return output
+            return AsyncModelRunnerOutput(lambda: ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]))
         logits = self.model.compute_logits(hidden_states[step.logits_indices]).float()
         states = [self.input_batch.requests[step.req_ids[i]] for i in step.sample_rows]
         sampling_metadata = build_sampling_metadata(
@@ -276,9 +301,34 @@ class ModelRunner:
         # Structured output (chapter 11): tokens a request's grammar forbids get logit -inf.
         logits = apply_grammar_bitmask(logits, [step.req_ids[i] for i in step.sample_rows], scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
-        for i, token_id in zip(step.sample_rows, sampler_output.sampled_token_ids.tolist()):
-            self.input_batch.append_token(step.req_ids[i], token_id)
+        sampled = sampler_output.sampled_token_ids
+        self.num_steps_launched += 1
+        step_id = self.num_steps_launched
+        self.last_sampled = SampledOnDevice(step_id, sampled, {step.req_ids[i]: j for j, i in enumerate(step.sample_rows)})
+        host_tokens, copied = sampled, None
+        if self.device.type == "cuda":  # two pinned buffers: step n+1 copies while n is read
+            host_tokens = self.sampled_host[step_id % 2][: len(sampled)]
+            host_tokens.copy_(sampled, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return AsyncModelRunnerOutput(lambda: self._finish_step(step, step_id, host_tokens, copied, sampler_output))
+
+    def _finish_step(self, step: StepInputs, step_id: int, host_tokens: torch.Tensor,
+                     copied: torch.cuda.Event | None, sampler_output) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens; record them in the persistent batch."""
+        if copied is not None:
+            copied.synchronize()
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        output = ModelRunnerOutput(step.req_ids, sampled_ids)
+        for i, token_id in zip(step.sample_rows, host_tokens.tolist()):
+            req_id = step.req_ids[i]
+            # With async scheduling the next step was prepared meanwhile and may have dropped
+            # the request (finished, aborted, preempted): its row is gone, nothing to record.
+            if req_id in self.input_batch:
+                self.input_batch.append_token(req_id, token_id)
             sampled_ids[i] = [token_id]
+        if self.last_sampled is not None and self.last_sampled.step_id == step_id:
+            self.last_sampled = None  # the host holds these tokens now
         if sampler_output.logprobs is not None:
             _scatter_logprobs(output, step.sample_rows, sampler_output)
         return output
@@ -342,6 +392,9 @@ class ModelRunner:
         logits_indices = self.query_start_loc.np[sample_rows + 1] - 1
 
         num_decodes = int((num_scheduled == 1).sum())
+        # Async scheduling: a decode whose input token the previous step is still sampling
+        # (the host does not have it: its position is past the row's known tokens).
+        pending = np.flatnonzero(positions[:num_decodes] >= batch.num_tokens[rows[:num_decodes]])
         graph_size = None
         if self.cuda_graphs is not None and num_decodes == num_reqs:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
@@ -369,9 +422,19 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        self.input_ids.copy_to_device(n)
+        input_ids = self.input_ids.copy_to_device(n)
         self.positions.copy_to_device(n)
-        logits_indices_gpu = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        if len(pending):
+            # Decodes come first, one token each: request i's input is token i. The gather
+            # runs on the device, after the previous step's sampler, in stream order.
+            sampled = self.last_sampled
+            self.pending_src.np[: len(pending)] = [sampled.index[req_ids[i]] for i in pending]
+            self.pending_dst.np[: len(pending)] = pending
+            dst, src = self.pending_dst.copy_to_device(len(pending)), self.pending_src.copy_to_device(len(pending))
+            input_ids[dst] = sampled.token_ids[src]
+        self.logits_indices.np[: len(logits_indices)] = logits_indices
+        # Pinned, as every input: a copy from pageable memory would wait for the device.
+        logits_indices_gpu = self.logits_indices.copy_to_device(len(logits_indices))
         if self.device.type == "cuda":
             self.inputs_copied = torch.cuda.Event()
             self.inputs_copied.record()

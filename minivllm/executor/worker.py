@@ -16,7 +16,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.executor.model_runner import ModelRunner
-from minivllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minivllm.scheduler.output import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("minivllm")
 
@@ -111,6 +111,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_kv_transfers(scheduler_output.kv_transfers)
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        self.execute_kv_transfers(scheduler_output.kv_transfers)
+        return self.model_runner.execute_model_async(scheduler_output)
     # --8<-- [end:worker-execute]
 
     # --8<-- [start:execute-kv-transfers]

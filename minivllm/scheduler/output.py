@@ -8,6 +8,7 @@ of each request's tokens. Chapter 03 explains the diff; chapter 05 the runner's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,3 +71,21 @@ class ModelRunnerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_token_ranks: torch.Tensor | None = None
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's output, available once the device has finished the step (chapter 05).
+
+    `get_output()` waits for the step's sampled tokens to reach the host and returns its
+    `ModelRunnerOutput`; later calls return the same object.
+    """
+
+    def __init__(self, finish: Callable[[], ModelRunnerOutput]) -> None:
+        self._finish: Callable[[], ModelRunnerOutput] | None = finish
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._finish is not None:
+            self._output, self._finish = self._finish(), None
+        return self._output
+

@@ -61,6 +61,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # reported to the runner in the next step
         self.num_preemptions = 0  # total, for statistics
+        # Async scheduling: unfinished requests whose sampling reads their previous tokens on
+        # the host (penalties, min_tokens, a grammar). While any exist, steps do not overlap.
+        self.num_requests_needing_host_tokens = 0
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -76,6 +79,8 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if needs_host_tokens(request):
+            self.num_requests_needing_host_tokens += 1
         return request
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -122,8 +127,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(held_back))  # back in their place, at the front
 
         # 3. The tokens scheduled now will have K/V once the step ran; count them as computed.
+        #    With async scheduling, a request that samples in this step holds a placeholder
+        #    for the token until `update_from_output` brings it, a step later.
         for request_id, num_tokens in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if self.config.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
         # 4. KV offloading: the block copies this step's decisions need, run before the forward.
         output.kv_transfers = self.kv_cache_manager.take_kv_transfers()
@@ -136,7 +146,15 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = num_tokens_to_schedule(request, token_budget, self.config.enable_chunked_prefill)
+            if request.num_output_placeholders:
+                # Async scheduling: the last step's token is still being sampled. Its decode is
+                # the next step, unless that token is the request's last anyway.
+                if will_finish_by_length(request, self.max_model_len):
+                    req_index += 1
+                    continue
+                num_new_tokens = 1
+            else:
+                num_new_tokens = num_tokens_to_schedule(request, token_budget, self.config.enable_chunked_prefill)
             if num_new_tokens == 0:  # nothing of it fits in this step; the requests after it may
                 req_index += 1
                 continue
@@ -269,6 +287,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token still being sampled is dropped (async)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -286,6 +305,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or not token_ids:  # aborted meanwhile, or a prompt chunk that is not the last
                 continue
+            if request.status != RequestStatus.RUNNING:
+                continue  # async scheduling: preempted after this step was launched; it resamples
+            request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if check_stop(request, self.max_model_len):
@@ -337,6 +359,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
 
     def _free_request(self, request: Request) -> None:
+        if needs_host_tokens(request):
+            self.num_requests_needing_host_tokens -= 1
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -358,6 +382,22 @@ def num_tokens_to_schedule(request: Request, token_budget: int, enable_chunked_p
         return 0
     return min(num_new_tokens, token_budget)
 # --8<-- [end:num-new-tokens]
+
+
+def will_finish_by_length(request: Request, max_model_len: int) -> bool:
+    """Counting the tokens still being sampled, has the request reached max_tokens or max_model_len?"""
+    num_pending = request.num_output_placeholders
+    return (request.num_output_tokens + num_pending >= request.sampling_params.max_tokens
+            or request.num_tokens + num_pending >= max_model_len)
+
+
+def needs_host_tokens(request: Request) -> bool:
+    """Does sampling this request read its previous tokens on the host? Then a step cannot be
+    scheduled before the last one reported: penalties and min_tokens count the tokens so far,
+    and a grammar's bitmask follows them."""
+    params = request.sampling_params
+    return (request.structured_output_request is not None or params.min_tokens > 0
+            or params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty))
 
 
 # --8<-- [start:check-stop]

@@ -38,6 +38,14 @@ for part in $PARTS; do
       bench throughput-qwen3-graphs throughput --shape qwen3-0.6b ;;
     llama-graphs)
       bench throughput-llama-graphs throughput --shape llama-3.2-1b ;;
+    async)  # async scheduling: the nano-vllm workload and batch-1/256 decode steps, both shapes
+      bench throughput-qwen3-async throughput --shape qwen3-0.6b --async-scheduling
+      bench throughput-llama-async throughput --shape llama-3.2-1b --async-scheduling
+      bench latency-qwen3-0.6b-async latency --shape qwen3-0.6b --batch-sizes 1,256 --output-len 64 --num-iters 3 --async-scheduling ;;
+    profile-async)
+      for b in 256 1; do
+        timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+      done ;;
     profile)  # where a decode step's time goes, at batch 256 and 1
       for b in 256 1; do
         timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"

@@ -29,10 +29,12 @@ parser.add_argument("--eager", action="store_true")
 parser.add_argument("--batch", type=int, default=256)
 parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--top", type=int, default=25)
+parser.add_argument("--async-scheduling", action="store_true")
 args = parser.parse_args()
 
 model = str(write_shape_folder("qwen3-0.6b", tempfile.mkdtemp()))
 llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=2048,
+          async_scheduling=args.async_scheduling,
           enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, max_num_seqs=max(256, args.batch))
 rng = random.Random(0)
 if args.workload == "prefill":
@@ -63,7 +65,9 @@ runner = core.executor.worker.model_runner
 wrap(core.scheduler, "schedule", "scheduler.schedule")
 wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
 wrap(core.executor, "execute_model", "executor.execute_model")
+wrap(core.executor, "execute_model_async", "executor.execute_model_async (launch)")
 wrap(runner, "_prepare_inputs", "runner._prepare_inputs")
+wrap(runner, "_finish_step", "runner._finish_step (waits for the tokens)")
 wrap(llm.llm_engine.output_processor, "process_outputs", "output_processor.process_outputs")
 
 
