@@ -10,7 +10,7 @@ if ! python -m pip install -q --no-index --find-links .whl fastapi 'uvicorn[stan
 fi
 ln -sfn "$PWD/kernels" minivllm/kernels
 MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
-ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048"
+ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048 ${EXTRA_ENGINE:-}"
 WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len 128"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
