@@ -23,6 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     parser.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) clients use as `model`")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes sharing the port and one engine core (Linux)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -39,6 +41,13 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     engine_args = AsyncEngineArgs.from_cli_args(args)
     names = args.served_model_name or [default_model_name(engine_args.model)]
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        from minivllm.entrypoints.openai.api_server import run_api_servers
+
+        config = engine_args.create_engine_config()
+        return run_api_servers(config, names, args.host, args.port, args.api_key, args.api_server_count)
     engine = AsyncLLM.from_engine_args(engine_args)
     run_server(engine, names, args.host, args.port, args.api_key)
     return 0

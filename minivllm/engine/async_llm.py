@@ -26,7 +26,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.core_client import EngineCoreClient
+from minivllm.engine.core_client import CoreAddresses, EngineCoreClient
 from minivllm.engine.exceptions import EngineDeadError, EngineGenerateError
 from minivllm.engine.llm_engine import LLMEngine, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
@@ -135,12 +135,16 @@ class AsyncLLM:
     # The same validation, tokenization and n > 1 fan-out as the offline engine.
     prepare_request = LLMEngine.prepare_request
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attach_to: CoreAddresses | None = None) -> None:
+        """Start an engine core process, or, with `attach_to`, use one that several API server
+        processes share (`minivllm serve --api-server-count`, chapter 11)."""
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCoreClient.make_client(multiprocess_mode=True, asyncio_mode=True, config=config)
+        self.engine_core = EngineCoreClient.make_client(
+            multiprocess_mode=True, asyncio_mode=True, config=config, attach_to=attach_to
+        )
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.output_handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None

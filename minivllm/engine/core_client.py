@@ -34,6 +34,7 @@ import multiprocessing
 import multiprocessing.util  # registers multiprocessing's exit hook before ours (see MPClient)
 import os
 import queue
+import select
 import shutil
 import signal
 import tempfile
@@ -84,11 +85,13 @@ class EngineCoreClient:
     """What the front end needs from the engine core, wherever the core runs."""
 
     @staticmethod
-    def make_client(multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig) -> EngineCoreClient:
+    def make_client(
+        multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig, attach_to: CoreAddresses | None = None
+    ) -> EngineCoreClient:
         if asyncio_mode and not multiprocess_mode:
             raise ValueError("an asyncio front end needs the engine core in its own process, as in vLLM")
         if asyncio_mode:
-            return AsyncMPClient(config)
+            return AsyncMPClient(config, attach_to)
         return SyncMPClient(config) if multiprocess_mode else InprocClient(config)
 
     # Blocking calls: InprocClient, SyncMPClient.
@@ -182,7 +185,8 @@ class BackgroundResources:
 
     socket_dir: str | None = None
     ctx: Any = None  # zmq.Context
-    process: Any = None  # multiprocessing.Process
+    process: Any = None  # multiprocessing.Process: the core this client started, and stops
+    core: Any = None  # what is watched for the core's death: `process`, or an `AttachedCore`
     output_thread: threading.Thread | None = None
     wakeup_r: int = -1  # a pipe that wakes the output thread at shutdown
     wakeup_w: int = -1
@@ -212,6 +216,8 @@ class BackgroundResources:
                 logger.warning("the engine core did not stop within 10 s; killing it")
                 process.kill()
             process.join()
+        if isinstance(self.core, AttachedCore):
+            self.core.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=0)  # closes both sockets
         for fd in (self.wakeup_r, self.wakeup_w):
@@ -222,10 +228,41 @@ class BackgroundResources:
     # --8<-- [end:shutdown]
 
 
-class MPClient(EngineCoreClient):
-    """Start the core process, wait for its READY, and keep the sockets; the base of both MP clients."""
+class AttachedCore:
+    """An engine-core process this client did not start: several API server processes share one
+    core, which their launcher owns (chapter 11). Its death is watched through a pidfd, a
+    file descriptor that becomes readable when the process exits (Linux 5.3 and later)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+        self.exitcode = None  # only the parent learns it
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """Where a front end finds a core it did not start: its two socket addresses (this front
+    end binds them) and the core's pid."""
+
+    input_address: str
+    output_address: str
+    core_pid: int
+
+
+class MPClient(EngineCoreClient):
+    """Start the core process (or attach to one), wait for its READY, and keep the sockets; the
+    base of both MP clients."""
+
+    def __init__(self, config: EngineConfig, attach_to: CoreAddresses | None = None) -> None:
         if _MP_IMPORT_ERROR is not None:
             raise ImportError(
                 f"running the engine core in its own process needs pyzmq and msgspec ({_MP_IMPORT_ERROR}): "
@@ -238,34 +275,42 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, resources.shutdown)
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
-        # A private folder: only this user can reach the sockets (mkdtemp makes it 0700).
-        resources.socket_dir = tempfile.mkdtemp(prefix="minivllm-engine-")
-        input_address = f"ipc://{resources.socket_dir}/input.sock"
-        output_address = f"ipc://{resources.socket_dir}/output.sock"
+        if attach_to is None:
+            # A private folder: only this user can reach the sockets (mkdtemp makes it 0700).
+            resources.socket_dir = tempfile.mkdtemp(prefix="minivllm-engine-")
+            input_address = f"ipc://{resources.socket_dir}/input.sock"
+            output_address = f"ipc://{resources.socket_dir}/output.sock"
+        else:  # the launcher made the folder and started the core, which connects to us
+            input_address, output_address = attach_to.input_address, attach_to.output_address
         resources.ctx = zmq.Context()
         self.input_socket = make_socket(resources.ctx, zmq.ROUTER, input_address, bind=True)
         self.output_socket = make_socket(resources.ctx, zmq.PULL, output_address, bind=True)
         resources.wakeup_r, resources.wakeup_w = os.pipe()
-        # spawn, not fork: a forked child would inherit this process's threads' locks and any
-        # CUDA state, which is unsafe; spawn starts a fresh interpreter (vLLM does the same).
-        resources.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address), name="MiniVllmEngineCore"
-        )
         try:
-            resources.process.start()
+            if attach_to is None:
+                # spawn, not fork: a forked child would inherit this process's threads' locks and
+                # any CUDA state, which is unsafe; spawn starts a fresh interpreter (as vLLM).
+                resources.process = multiprocessing.get_context("spawn").Process(
+                    target=run_engine_core, args=(config, [(input_address, output_address)]), name="MiniVllmEngineCore"
+                )
+                resources.process.start()
+                resources.core = resources.process
+            else:
+                resources.core = AttachedCore(attach_to.core_pid)
             self.ready = self._wait_for_ready(float(os.environ.get(READY_TIMEOUT_ENV, DEFAULT_READY_TIMEOUT_S)))
         except BaseException:
             self.shutdown()
             raise
-        # Not a bound method: the resources must not keep the client alive (see BackgroundResources).
-        resources.send_shutdown = functools.partial(_send_shutdown, self.input_socket)
+        if attach_to is None:
+            # Not a bound method: the resources must not keep the client alive (see BackgroundResources).
+            resources.send_shutdown = functools.partial(_send_shutdown, self.input_socket)
         self.utility_call_ids = itertools.count()
         self.pending_utility: dict[int, Any] = {}  # call id → the future its caller waits on
 
     # --8<-- [start:wait-for-ready]
     def _wait_for_ready(self, timeout_s: float) -> Any:
         """Wait for the core's handshake, its process's death, or the timeout, whichever is first."""
-        process = self.resources.process
+        process = self.resources.core
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poller.register(process.sentinel, zmq.POLLIN)  # readable once the process has exited
@@ -278,7 +323,7 @@ class MPClient(EngineCoreClient):
                 if self.input_socket not in events:
                     process.join(timeout=1.0)
                     raise RuntimeError(
-                        f"engine core failed to start: its process exited with code {process.exitcode} "
+                        f"engine core failed to start: its process exited ({_describe_exit(process)}) "
                         "before it reported READY (its own error output, above, says why)"
                     )
             if self.input_socket in events:
@@ -378,8 +423,8 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """`async` calls to a core in another process: `AsyncLLM`. Use it from one event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, attach_to: CoreAddresses | None = None) -> None:
+        super().__init__(config, attach_to)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.outputs_queue: asyncio.Queue | None = None
 
@@ -438,7 +483,7 @@ class AsyncMPClient(MPClient):
 # --8<-- [start:read-outputs]
 def _read_outputs(output_socket: Any, resources: BackgroundResources, deliver: Callable[[Any], None]) -> None:
     """The client's output thread: decode what the core sends; notice at once if it dies."""
-    process = resources.process
+    process = resources.core
     poller = zmq.Poller()
     poller.register(output_socket, zmq.POLLIN)
     poller.register(process.sentinel, zmq.POLLIN)  # readable once the process has exited
@@ -497,6 +542,8 @@ def _utility_result(method: str, output: Any) -> Any:
 
 def _describe_exit(process: Any) -> str:
     process.join(timeout=1.0)
+    if isinstance(process, AttachedCore):
+        return f"pid {process.pid}; its launcher knows the exit code"
     code = process.exitcode
     if code is not None and code < 0:
         return f"exit code {code}: killed by {signal.Signals(-code).name}"

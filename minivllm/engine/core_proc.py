@@ -72,6 +72,10 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self.output_thread: threading.Thread | None = None
+        # Several front ends (API server processes, chapter 11) may share this core: each has
+        # its own pair of sockets, and a request's outputs go back to the one that sent it.
+        self.num_clients = 1
+        self.request_clients: dict[str, int] = {}  # request id -> client index (2+ clients only)
 
     # --8<-- [start:busy-loop]
     def run_busy_loop(self) -> None:
@@ -107,9 +111,24 @@ class EngineCoreProc:
     def process_engine_step(self) -> None:
         """One step of the core; its outputs go to the output thread (a step may have none)."""
         outputs = self.engine_core.step()
-        if outputs:
+        if outputs and self.num_clients == 1:
             self.output_queue.put_nowait(EngineCoreOutputs(outputs=outputs))
+        elif outputs:
+            self._send_to_clients(outputs)
     # --8<-- [end:busy-loop]
+
+    # --8<-- [start:send-to-clients]
+    def _send_to_clients(self, outputs: list[EngineCoreOutput]) -> None:
+        """Several front ends: one message per front end, with the outputs of its requests."""
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs:
+            client = self.request_clients.get(output.request_id, 0)
+            by_client.setdefault(client, []).append(output)
+            if output.finish_reason is not None:
+                self.request_clients.pop(output.request_id, None)
+        for client, client_outputs in by_client.items():
+            self.output_queue.put_nowait(EngineCoreOutputs(outputs=client_outputs, client_index=client))
+    # --8<-- [end:send-to-clients]
 
     # --8<-- [start:handle-client-request]
     def _handle_client_request(self, request_type: EngineCoreRequestType, payload: Any) -> None:
@@ -118,11 +137,16 @@ class EngineCoreProc:
                 self.engine_core.add_request(payload)
             except Exception as err:  # e.g. a duplicate id: this request fails, the engine goes on
                 logger.warning("request %s rejected by the engine core: %s", payload.request_id, err)
-                self.output_queue.put_nowait(error_outputs([payload.request_id], f"{type(err).__name__}: {err}"))
+                failed = error_outputs([payload.request_id], f"{type(err).__name__}: {err}")
+                failed.client_index = self.request_clients.pop(payload.request_id, 0)
+                self.output_queue.put_nowait(failed)
         elif request_type == EngineCoreRequestType.ABORT:
             self.engine_core.abort_requests(payload)
+            for request_id in payload:
+                self.request_clients.pop(request_id, None)
         elif request_type == EngineCoreRequestType.UTILITY:
-            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._call_utility(payload)))
+            answer = EngineCoreOutputs(utility_output=self._call_utility(payload), client_index=payload.client_index)
+            self.output_queue.put_nowait(answer)
         elif request_type == EngineCoreRequestType.SHUTDOWN:
             raise SystemExit(0)  # leaves run_busy_loop; run_engine_core cleans up
         else:
@@ -151,56 +175,73 @@ class EngineCoreProc:
     # -- the IO threads -------------------------------------------------------------------------
 
     # --8<-- [start:io-threads]
-    def process_input_socket(self, ctx: zmq.Context, input_address: str, ready: EngineCoreReady) -> None:
-        """Input thread: say READY, then turn every message into an input-queue item."""
-        socket = make_socket(ctx, zmq.DEALER, input_address, bind=False, identity=ENGINE_IDENTITY)
-        socket.send(encoder.encode(ready))  # the handshake; it also tells the ROUTER our identity
+    def process_input_sockets(self, ctx: zmq.Context, input_addresses: list[str], ready: EngineCoreReady) -> None:
+        """Input thread: say READY to every front end, then turn each message into an input-queue item."""
+        sockets = [make_socket(ctx, zmq.DEALER, address, bind=False, identity=ENGINE_IDENTITY) for address in input_addresses]
+        poller = zmq.Poller()
+        for socket in sockets:
+            socket.send(encoder.encode(ready))  # the handshake; it also tells the ROUTER our identity
+            poller.register(socket, zmq.POLLIN)
         while True:
-            type_frame, payload = socket.recv_multipart(copy=False)
-            try:
-                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
-                if request_type == EngineCoreRequestType.ADD:
-                    wire_request = add_decoder.decode(payload.buffer)
-                    try:  # rebuilding re-validates the sampling parameters: done here, off the loop
-                        item = request_from_wire(wire_request)
-                    except (ValueError, TypeError) as err:
-                        self.output_queue.put_nowait(error_outputs([wire_request.request_id], f"{type(err).__name__}: {err}"))
-                        continue
-                elif request_type == EngineCoreRequestType.ABORT:
-                    item = abort_decoder.decode(payload.buffer)
-                elif request_type == EngineCoreRequestType.UTILITY:
-                    item = utility_decoder.decode(payload.buffer)
-                else:
-                    item = None  # SHUTDOWN
-            except (ValueError, msgspec.DecodeError) as err:  # not a message we know: drop it, say so
-                logger.error("engine core: dropped a malformed message: %s", err)
-                continue
-            self.input_queue.put_nowait((request_type, item))
+            for socket, _ in poller.poll():
+                client = sockets.index(socket)
+                type_frame, payload = socket.recv_multipart(copy=False)
+                self._queue_message(client, type_frame, payload)
 
-    def process_output_socket(self, ctx: zmq.Context, output_address: str) -> None:
+    def _queue_message(self, client: int, type_frame: Any, payload: Any) -> None:
+        try:
+            request_type = EngineCoreRequestType(bytes(type_frame.buffer))
+            if request_type == EngineCoreRequestType.ADD:
+                wire_request = add_decoder.decode(payload.buffer)
+                if self.num_clients > 1:  # where its outputs must go
+                    self.request_clients[wire_request.request_id] = client
+                try:  # rebuilding re-validates the sampling parameters: done here, off the loop
+                    item = request_from_wire(wire_request)
+                except (ValueError, TypeError) as err:
+                    failed = error_outputs([wire_request.request_id], f"{type(err).__name__}: {err}")
+                    failed.client_index = self.request_clients.pop(wire_request.request_id, client)
+                    self.output_queue.put_nowait(failed)
+                    return
+            elif request_type == EngineCoreRequestType.ABORT:
+                item = abort_decoder.decode(payload.buffer)
+            elif request_type == EngineCoreRequestType.UTILITY:
+                item = utility_decoder.decode(payload.buffer)
+                item.client_index = client
+            else:
+                item = None  # SHUTDOWN
+        except (ValueError, msgspec.DecodeError) as err:  # not a message we know: drop it, say so
+            logger.error("engine core: dropped a malformed message: %s", err)
+            return
+        self.input_queue.put_nowait((request_type, item))
+
+    def process_output_sockets(self, ctx: zmq.Context, output_addresses: list[str]) -> None:
         """Output thread: send what the busy loop produced, until the core's last words."""
         # linger: at exit, keep trying for a while to deliver what is queued (the last words).
-        socket = make_socket(ctx, zmq.PUSH, output_address, bind=False, linger_ms=4000)
+        sockets = [make_socket(ctx, zmq.PUSH, address, bind=False, linger_ms=4000) for address in output_addresses]
         while True:
             outputs = self.output_queue.get()
-            socket.send(encoder.encode(outputs), copy=False)
+            message = encoder.encode(outputs)
+            for socket in sockets if outputs.client_index < 0 else [sockets[outputs.client_index]]:
+                socket.send(message, copy=False)
             if outputs.engine_dead is not None:
                 return
     # --8<-- [end:io-threads]
 
-    def start_io_threads(self, ctx: zmq.Context, input_address: str, output_address: str, ready: EngineCoreReady) -> None:
+    def start_io_threads(self, ctx: zmq.Context, clients: list[tuple[str, str]], ready: EngineCoreReady) -> None:
+        self.num_clients = len(clients)
+        input_addresses, output_addresses = [c[0] for c in clients], [c[1] for c in clients]
         # Daemon threads: they block in recv/get forever and must not keep the process alive.
         threading.Thread(
-            target=self.process_input_socket, args=(ctx, input_address, ready), name="EngineCoreInput", daemon=True
+            target=self.process_input_sockets, args=(ctx, input_addresses, ready), name="EngineCoreInput", daemon=True
         ).start()
         self.output_thread = threading.Thread(
-            target=self.process_output_socket, args=(ctx, output_address), name="EngineCoreOutput", daemon=True
+            target=self.process_output_sockets, args=(ctx, output_addresses), name="EngineCoreOutput", daemon=True
         )
         self.output_thread.start()
 
     def send_engine_dead(self, error: str) -> None:
         """The loop failed: tell the front end why, and give the output thread time to send it."""
-        self.output_queue.put_nowait(EngineCoreOutputs(engine_dead=error))
+        self.output_queue.put_nowait(EngineCoreOutputs(engine_dead=error, client_index=-1))
         if self.output_thread is not None:
             self.output_thread.join(timeout=5.0)
 
@@ -225,21 +266,24 @@ def make_socket(
 
 
 # --8<-- [start:run-engine-core]
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """The main function of the engine-core process."""
+def run_engine_core(config: EngineConfig, clients: list[tuple[str, str]]) -> None:
+    """The main function of the engine-core process; `clients` are the front ends' (input,
+    output) socket addresses: one pair, or one per API server process."""
     _exit_on_signals()
     ctx = zmq.Context()
     try:
         engine_core = EngineCore(config)  # loads the model and allocates the KV cache
     except BaseException:
-        _report_startup_failure(ctx, input_address, traceback.format_exc())
+        error = traceback.format_exc()
+        for input_address, _ in clients:
+            _report_startup_failure(ctx, input_address, error)
         raise SystemExit(1)
     proc = EngineCoreProc(engine_core)
     ready = EngineCoreReady(
         num_gpu_blocks=config.cache_config.num_gpu_blocks, max_model_len=config.model_config.max_model_len, pid=os.getpid()
     )
-    proc.start_io_threads(ctx, input_address, output_address, ready)
-    _exit_when_parent_dies(proc, input_address)
+    proc.start_io_threads(ctx, clients, ready)
+    _exit_when_parent_dies(proc, clients[0][0])
     try:
         proc.run_busy_loop()
     except SystemExit:  # the front end's SHUTDOWN message, or SIGTERM: a normal end

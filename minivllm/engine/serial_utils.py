@@ -75,6 +75,9 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list[Any] = []
+    # Which front end asked (several API server processes, chapter 11): set by the core's
+    # input thread from the socket the call came in on, so the answer goes back there.
+    client_index: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -89,6 +92,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = []
     utility_output: UtilityOutput | None = None
     engine_dead: str | None = None  # why the core is going down (a traceback); nothing follows
+    # The front end these are for, when several share the core; -1: every one (last words).
+    client_index: int = 0
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):

@@ -11,10 +11,14 @@ Two kinds of numbers, from two places:
   `EngineCoreStats` and `refresh_engine_stats` stores them just before the page is rendered.
 
 Each `ServerMetrics` has its own registry, so several servers (tests) can live in one process.
+With several API server processes (`--api-server-count`), prometheus_client's multiprocess mode
+is on (`PROMETHEUS_MULTIPROC_DIR`): every process writes its counts to files there, and the
+page sums them, so it describes the whole server whichever process answers.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -28,6 +32,7 @@ from minivllm.outputs import RequestOutput
 disable_created_metrics()
 
 PREFIX = "minivllm:"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch for multiprocess mode
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets: TTFT from 1 ms, token gaps from 10 ms, whole requests from 0.3 s.
@@ -67,6 +72,13 @@ class ServerMetrics:
         self.engine_collector.stats = stats
 
     def render(self) -> bytes:
+        if os.environ.get(MULTIPROC_DIR_ENV):  # several API processes: the sum of their files
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            registry.register(self.engine_collector)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

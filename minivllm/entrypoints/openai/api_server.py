@@ -19,6 +19,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import minivllm
+from minivllm.config import EngineConfig
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.core_client import CoreAddresses
+from minivllm.engine.core_proc import run_engine_core
 from minivllm.entrypoints.openai.errors import error_response, install_error_handlers
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -40,7 +51,7 @@ from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import sse_events
 from minivllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from minivllm.metrics import CONTENT_TYPE, ServerMetrics
+from minivllm.metrics import CONTENT_TYPE, MULTIPROC_DIR_ENV, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -181,3 +192,79 @@ def run_server(engine: AsyncLLM, served_model_names: list[str], host: str, port:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
     finally:
         engine.shutdown()
+
+
+# --8<-- [start:api-servers]
+def run_api_servers(
+    config: EngineConfig, served_model_names: list[str], host: str, port: int, api_key: str | None, count: int
+) -> int:
+    """`--api-server-count N`: one engine core process and N API server processes.
+
+    One API process turns every token of every stream into an event (output processing, JSON,
+    an HTTP write) and, at a few thousand tokens a second per core of CPU, it becomes the
+    server's bottleneck long before a GPU does. So, as vLLM does, this launcher starts the core
+    with one pair of sockets per API process, then N processes that each run an `AsyncLLM`
+    attached to that core and a uvicorn server on the same listening socket: the kernel hands
+    each new connection to one of them. The core sends each request's outputs back to the
+    process that sent the request. Metrics are kept in files that every process writes
+    (Prometheus' multiprocess mode), so `/metrics` counts the whole server whichever process
+    answers. The launcher itself only waits: when any process ends, it stops the others.
+    """
+    listen_socket = socket.create_server((host, port))  # bound here, so every process shares it
+    socket_dir = tempfile.mkdtemp(prefix="minivllm-engine-")
+    # The metrics files: the user's folder if one is set (kept afterwards), else a fresh one.
+    own_metrics_dir = not os.environ.get(MULTIPROC_DIR_ENV)
+    metrics_dir = tempfile.mkdtemp(prefix="minivllm-metrics-") if own_metrics_dir else os.environ[MULTIPROC_DIR_ENV]
+    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # inherited; read when a child imports prometheus_client
+    clients = [(f"ipc://{socket_dir}/input-{i}.sock", f"ipc://{socket_dir}/output-{i}.sock") for i in range(count)]
+    spawn = multiprocessing.get_context("spawn")
+    core = spawn.Process(target=run_engine_core, args=(config, clients), name="MiniVllmEngineCore")
+    core.start()
+    servers = [
+        spawn.Process(
+            target=run_api_server_process, name=f"MiniVllmApiServer-{i}",
+            args=(config, CoreAddresses(*clients[i], core.pid), listen_socket, served_model_names, api_key),
+        )
+        for i in range(count)
+    ]
+    for server in servers:
+        server.start()
+    logger.info("serving %s on http://%s:%d/v1 from %d API server processes", served_model_names, host, port, count)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    status = 0
+    try:
+        multiprocessing.connection.wait([core.sentinel] + [server.sentinel for server in servers])
+        ended = next(p for p in [core, *servers] if not p.is_alive())
+        logger.error("%s exited (code %s); stopping the server", ended.name, ended.exitcode)
+        status = 1
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        for process in [*servers, core]:  # API processes first: they finish their responses
+            process.terminate()
+        for process in [*servers, core]:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        listen_socket.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        if own_metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
+
+
+def run_api_server_process(
+    config: EngineConfig, attach_to: CoreAddresses, listen_socket: socket.socket,
+    served_model_names: list[str], api_key: str | None,
+) -> None:
+    """The main function of one API server process: an AsyncLLM on the shared core, and uvicorn."""
+    import uvicorn
+
+    engine = AsyncLLM(config, attach_to=attach_to)
+    app = build_app(engine, served_model_names, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5))
+    try:
+        server.run(sockets=[listen_socket])
+    finally:
+        engine.shutdown()  # closes this process's sockets; the launcher stops the core
+# --8<-- [end:api-servers]
