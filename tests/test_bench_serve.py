@@ -80,3 +80,19 @@ def test_a_load_run_against_the_server_completes_every_request(server, tmp_path)
     assert 0 < summary["client_cpu_fraction"] < 2
     # The shared 16-token prefix is one full block: the later requests found it cached.
     assert server.stats().prefix_cache_hits > 0
+
+
+def test_several_load_generator_processes_share_the_prompts(server):
+    summary = main([
+        "--base-url", server.base_url, "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "4",
+        "--num-workers", "2",
+    ])
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_output_tokens"] == 6 * 4 and summary["num_workers"] == 2
+    assert summary["duration_s"] > 0 and 0 < summary["client_cpu_fraction"] < 2
+
+
+def test_more_workers_than_prompts_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--num-prompts", "2", "--num-workers", "3"])
+

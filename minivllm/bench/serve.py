@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -95,8 +96,11 @@ async def send_request(session: Any, url: str, body: dict[str, Any], headers: di
 # --8<-- [end:one-request]
 
 
-async def run_load(args: argparse.Namespace, prompts: list[str | list[int]], model: str) -> tuple[list[RequestResult], float, float]:
-    """Send every prompt; return the results, the wall time, and this process's CPU time meanwhile."""
+async def run_load(
+    args: argparse.Namespace, prompts: list[str | list[int]], model: str, start_together: Any = None
+) -> tuple[list[RequestResult], float, float, float]:
+    """Send every prompt; return the results, the wall-clock start and end of the run, and this
+    process's CPU time meanwhile. `start_together`: a barrier the workers of one run wait at."""
     import aiohttp
 
     url = args.base_url.rstrip("/") + args.endpoint
@@ -125,15 +129,47 @@ async def run_load(args: argparse.Namespace, prompts: list[str | list[int]], mod
         warmup = await send_request(session, url, {**body(prompts[0]), "max_tokens": 4}, headers, 0)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        if start_together is not None:
+            start_together.wait()  # every worker has warmed up: start at once
         tasks = []
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = time.time(), time.process_time()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(session, prompt)))
             if args.request_rate != float("inf"):  # the gap to the next arrival
                 gap = rng.expovariate(args.request_rate) if args.arrival == "poisson" else 1.0 / args.request_rate
                 await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, time.process_time() - cpu_start
+        return results, start, time.time(), time.process_time() - cpu_start
+
+
+def run_load_in_workers(args: argparse.Namespace, prompts: list[str | list[int]], model: str) -> tuple[list[RequestResult], float, float]:
+    """`--num-workers K`: K load-generator processes, each with every K-th prompt, a K-th of the
+    request rate and of the concurrency cap, started together. One Python process can read
+    only so many events a second; above that it measures itself, not the server."""
+    workers = args.num_workers
+    spawn = multiprocessing.get_context("spawn")
+    start_together, answers = spawn.Barrier(workers), spawn.Queue()
+    shares = []
+    for i in range(workers):
+        share = argparse.Namespace(**vars(args))
+        share.request_rate = args.request_rate / workers
+        share.max_concurrency = -(-args.max_concurrency // workers) if args.max_concurrency else None
+        share.seed = args.seed + 1000 * i  # each worker its own arrival gaps
+        shares.append(share)
+    processes = [spawn.Process(target=_load_worker, args=(shares[i], prompts[i::workers], model, start_together, answers))
+                 for i in range(workers)]
+    for process in processes:
+        process.start()
+    runs = [answers.get() for _ in processes]
+    for process in processes:
+        process.join()
+    results = [result for run in runs for result in run[0]]
+    start, end = min(run[1] for run in runs), max(run[2] for run in runs)
+    return results, end - start, sum(run[3] for run in runs) / workers  # CPU: the workers' mean
+
+
+def _load_worker(args: argparse.Namespace, prompts: list[str | list[int]], model: str, start_together: Any, answers: Any) -> None:
+    answers.put(asyncio.run(run_load(args, prompts, model, start_together)))
 
 
 def run_offline(args: argparse.Namespace, prompts: list[str | list[int]]) -> tuple[list[RequestResult], float]:
@@ -202,29 +238,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
     parser.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson", help="gaps between requests")
     parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="load-generator processes sharing the prompts (when one is busy all the time)")
     parser.add_argument("--result-file", default=None, help="write the summary as JSON here")
     EngineArgs.add_cli_args(parser)  # for --backend offline: --model PATH and the engine flags
     args = parser.parse_args(argv)
     if args.dataset_name == "file" and not args.dataset_path:
         parser.error("--dataset-name file needs --dataset-path")
+    if not 1 <= args.num_workers <= args.num_prompts:
+        parser.error(f"--num-workers must be between 1 and --num-prompts ({args.num_prompts}), got {args.num_workers}")
 
     prompts = make_prompts(args)
     if args.backend == "offline":
         results, duration = run_offline(args, prompts)
     else:
         model = args.served_model_name or _first_served_model(args)
-        results, duration, client_cpu = asyncio.run(run_load(args, prompts, model))
+        if args.num_workers > 1:
+            results, duration, client_cpu = run_load_in_workers(args, prompts, model)
+        else:
+            results, start, end, client_cpu = asyncio.run(run_load(args, prompts, model))
+            duration = end - start
     summary = summarize(results, duration)
     if args.backend == "openai":
         # A load generator that is busy all the time measures itself, not the server.
-        summary["client_cpu_fraction"] = client_cpu / duration
+        summary["client_cpu_fraction"] = client_cpu / duration  # per worker, with --num-workers
         if client_cpu > CLIENT_BUSY_FRACTION * duration:
             print(f"warning: this load generator was busy {client_cpu / duration:.0%} of the run; the server may be "
                   "faster than these numbers (run several generators, or fewer streams)", file=sys.stderr)
     summary.update(
         backend=args.backend, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=_git_commit(),
         command="minivllm bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
-        num_prompts=args.num_prompts, request_rate=args.request_rate, arrival=args.arrival, max_concurrency=args.max_concurrency,
+        num_prompts=args.num_prompts, num_workers=args.num_workers, request_rate=args.request_rate, arrival=args.arrival, max_concurrency=args.max_concurrency,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_prefix_len=args.random_prefix_len,
     )

@@ -12,6 +12,7 @@ ln -sfn "$PWD/kernels" minivllm/kernels
 MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
 ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048 ${EXTRA_ENGINE:-}"
 WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len 128"
+CLIENT="--num-workers ${BENCH_WORKERS:-1}"  # load-generator processes
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 
@@ -31,7 +32,7 @@ for rate in ${RATES:-16 64 inf}; do
   before=$(api_cpu)
   echo "children_cpu_s before: $(children_cpu)"
   curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:engine_(steps|busy)" | sed 's/^/before /'
-  timeout 120 python -m minivllm.bench.serve --base-url http://127.0.0.1:8011 $WORKLOAD --request-rate "$rate" \
+  timeout 120 python -m minivllm.bench.serve --base-url http://127.0.0.1:8011 $WORKLOAD $CLIENT --request-rate "$rate" \
     --result-file "$OUT/serve_rate_$rate.json" 2>&1 | grep -E "throughput|_ttft_|_tpot_|completed|failed|client_cpu|warning"
   curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:engine_(steps|busy)" | sed 's/^/after /'
   echo "children_cpu_s after: $(children_cpu)"
@@ -40,6 +41,6 @@ done
 curl -s http://127.0.0.1:8011/metrics | grep -E "^minivllm:(num_preemptions|kv_cache|prompt_tokens|generation_tokens)" >> "$OUT/gpu.txt"
 kill "$SERVER"; wait "$SERVER" 2>/dev/null
 
-timeout 150 python -m minivllm.bench.serve --backend offline --model "$MODEL" $ENGINE $WORKLOAD \
+[ "${OFFLINE:-1}" = 1 ] && timeout 150 python -m minivllm.bench.serve --backend offline --model "$MODEL" $ENGINE $WORKLOAD \
   --result-file "$OUT/offline.json" 2>&1 | grep -E "throughput|completed"
 rm -f minivllm/kernels

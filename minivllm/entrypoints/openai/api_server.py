@@ -201,16 +201,19 @@ def run_api_servers(
     """`--api-server-count N`: one engine core process and N API server processes.
 
     One API process turns every token of every stream into an event (output processing, JSON,
-    an HTTP write) and, at a few thousand tokens a second per core of CPU, it becomes the
-    server's bottleneck long before a GPU does. So, as vLLM does, this launcher starts the core
-    with one pair of sockets per API process, then N processes that each run an `AsyncLLM`
-    attached to that core and a uvicorn server on the same listening socket: the kernel hands
-    each new connection to one of them. The core sends each request's outputs back to the
+    an HTTP write): at some tens of thousands of tokens a second it is busy all the time, and
+    the server's bottleneck. So, as vLLM does, this launcher starts the core with one pair of
+    sockets per API process, then N processes that each run an `AsyncLLM` attached to that core
+    and a uvicorn server on the same port: the kernel hands each new connection to one of them. The core sends each request's outputs back to the
     process that sent the request. Metrics are kept in files that every process writes
     (Prometheus' multiprocess mode), so `/metrics` counts the whole server whichever process
     answers. The launcher itself only waits: when any process ends, it stops the others.
     """
-    listen_socket = socket.create_server((host, port))  # bound here, so every process shares it
+    # Every API process listens on its own socket bound to the same port (SO_REUSEPORT), and the
+    # kernel spreads new connections evenly over them. (One shared listening socket would let
+    # whichever process wakes first accept a whole burst.) This one, bound but never listening,
+    # holds the port meanwhile and fails early if it is taken; it receives no connections.
+    port_guard = reuse_port_socket(host, port)
     socket_dir = tempfile.mkdtemp(prefix="minivllm-engine-")
     # The metrics files: the user's folder if one is set (kept afterwards), else a fresh one.
     own_metrics_dir = not os.environ.get(MULTIPROC_DIR_ENV)
@@ -223,7 +226,7 @@ def run_api_servers(
     servers = [
         spawn.Process(
             target=run_api_server_process, name=f"MiniVllmApiServer-{i}",
-            args=(config, CoreAddresses(*clients[i], core.pid), listen_socket, served_model_names, api_key),
+            args=(config, CoreAddresses(*clients[i], core.pid), host, port, served_model_names, api_key),
         )
         for i in range(count)
     ]
@@ -246,7 +249,7 @@ def run_api_servers(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-        listen_socket.close()
+        port_guard.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
         if own_metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -254,7 +257,7 @@ def run_api_servers(
 
 
 def run_api_server_process(
-    config: EngineConfig, attach_to: CoreAddresses, listen_socket: socket.socket,
+    config: EngineConfig, attach_to: CoreAddresses, host: str, port: int,
     served_model_names: list[str], api_key: str | None,
 ) -> None:
     """The main function of one API server process: an AsyncLLM on the shared core, and uvicorn."""
@@ -262,9 +265,25 @@ def run_api_server_process(
 
     engine = AsyncLLM(config, attach_to=attach_to)
     app = build_app(engine, served_model_names, api_key)
+    listen_socket = reuse_port_socket(host, port)
+    listen_socket.listen(2048)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5))
     try:
         server.run(sockets=[listen_socket])
     finally:
         engine.shutdown()  # closes this process's sockets; the launcher stops the core
 # --8<-- [end:api-servers]
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) that other processes of this user may bind too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
