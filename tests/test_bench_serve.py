@@ -96,3 +96,14 @@ def test_more_workers_than_prompts_is_refused():
     with pytest.raises(SystemExit):
         main(["--num-prompts", "2", "--num-workers", "3"])
 
+
+
+def test_the_offline_backend_runs_the_same_prompts_through_llm_generate(tmp_path, demo_model_dir):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_openai_server import make_tiny_chat_model
+
+    model_dir = make_tiny_chat_model(tmp_path / "tiny", demo_model_dir)
+    summary = main(["--backend", "offline", "--model", str(model_dir), "--num-prompts", "3", "--random-input-len", "8",
+                    "--random-output-len", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64"])
+    assert (summary["completed"], summary["total_output_tokens"]) == (3, 12)
+    assert summary["engine_steps"] >= 4, "one prefill step and three decode steps at least"

@@ -123,14 +123,17 @@ async def run_load(
 
     # aiohttp, as vLLM's benchmark: its C parser costs the client far less per event than
     # httpx, and a load generator must stay cheaper than the server it measures.
-    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency caps
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # The warm-up on a connection of its own: a kept-alive one could sit idle at the barrier
+    # longer than the server keeps it open, and the first request on it would fail.
+    async with aiohttp.ClientSession(timeout=timeout) as session:
         warmup = await send_request(session, url, {**body(prompts[0]), "max_tokens": 4}, headers, 0)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        if start_together is not None:
-            start_together.wait()  # every worker has warmed up: start at once
+    if start_together is not None:
+        start_together.wait()  # every worker has warmed up: start at once
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency caps
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
         start, cpu_start = time.time(), time.process_time()
         for prompt in prompts:
@@ -181,9 +184,11 @@ def run_offline(args: argparse.Namespace, prompts: list[str | list[int]]) -> tup
     params = SamplingParams(max_tokens=args.random_output_len, temperature=0.0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     llm.generate(inputs[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    steps_before = llm.llm_engine.get_stats().num_steps
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     duration = time.perf_counter() - start
+    args.offline_engine_steps = llm.llm_engine.get_stats().num_steps - steps_before
     results = [RequestResult(ok=True, prompt_len=len(o.prompt_token_ids), output_tokens=len(o.outputs[0].token_ids)) for o in outputs]
     return results, duration
 
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results, start, end, client_cpu = asyncio.run(run_load(args, prompts, model))
             duration = end - start
     summary = summarize(results, duration)
+    if args.backend == "offline":
+        summary["engine_steps"] = args.offline_engine_steps
     if args.backend == "openai":
         # A load generator that is busy all the time measures itself, not the server.
         summary["client_cpu_fraction"] = client_cpu / duration  # per worker, with --num-workers
