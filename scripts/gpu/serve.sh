@@ -11,7 +11,7 @@ fi
 ln -sfn "$PWD/kernels" minivllm/kernels
 MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
 ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048 ${EXTRA_ENGINE:-}"
-WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len 128"
+WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len ${OUTPUT_LEN:-128}"
 CLIENT="--num-workers ${BENCH_WORKERS:-1}"  # load-generator processes
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
