@@ -7,9 +7,10 @@
 # minivllm; everything else stays the reference. A method sits in a stub class named like
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
-#   ch05-padded-graph-size  padded_batch_size  (minivllm/executor/cuda_graphs.py)
-#   ch05-flatten-batch      flatten_batch  (minivllm/executor/gpu_input_batch.py)
-#   ch05-kv-cache-sizing    num_kv_blocks  (minivllm/executor/worker.py)
+#   ch05-padded-graph-size      padded_batch_size  (minivllm/executor/cuda_graphs.py)
+#   ch05-flatten-batch          flatten_batch  (minivllm/executor/gpu_input_batch.py)
+#   ch05-inputs-from-last-step  inputs_from_last_step  (minivllm/executor/model_runner.py)
+#   ch05-kv-cache-sizing        num_kv_blocks  (minivllm/executor/worker.py)
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def flatten_batch(
     The same arithmetic as chapter 04's `compute_slot_mapping`, for all requests at once.
     """
     raise NotImplementedError("ch05-flatten-batch: req_index = repeat(arange, num_scheduled); position = num_computed[req_index] + offset inside the request; slot from block_table[req_index, position // block_size]")
+
+
+# exercise[ch05-inputs-from-last-step]: the decodes whose position is not among the row's known tokens; their source row is last_sampled_rows[request id]
+def inputs_from_last_step(
+    decode_positions: np.ndarray, num_known_tokens: np.ndarray, decode_req_ids: list[str], last_sampled_rows: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Async scheduling: the decodes whose input token the previous step is still sampling.
+
+    A step's decodes come first, one token each: decode i computes position
+    `decode_positions[i]` of request `decode_req_ids[i]`, whose row in the persistent batch
+    holds `num_known_tokens[i]` tokens. A position the row does not hold (`>=` that count) is
+    the token the last step sampled for the request, which only the device has: row
+    `last_sampled_rows[request id]` of that step's sampled tokens. Return two int64 arrays of
+    the same length, in decode order: `dst`, the indices i of those decodes, and `src`,
+    their rows in the last step's sampled tokens. Every other decode's input is on the host.
+    """
+    raise NotImplementedError("ch05-inputs-from-last-step: the decodes whose position is not among the row's known tokens; their source row is last_sampled_rows[request id]")
 
 
 # exercise[ch05-kv-cache-sizing]: budget = total * utilization - used_by_others - peak; whole blocks of bytes_per_block; never below 0

@@ -53,6 +53,27 @@ def compute_slot_mapping(block_table: list[int], positions: Sequence[int], block
 # --8<-- [end:slot-mapping]
 
 
+# --8<-- [start:inputs-from-last-step]
+# exercise[ch05-inputs-from-last-step]: the decodes whose position is not among the row's known tokens; their source row is last_sampled_rows[request id]
+def inputs_from_last_step(
+    decode_positions: np.ndarray, num_known_tokens: np.ndarray, decode_req_ids: list[str], last_sampled_rows: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Async scheduling: the decodes whose input token the previous step is still sampling.
+
+    A step's decodes come first, one token each: decode i computes position
+    `decode_positions[i]` of request `decode_req_ids[i]`, whose row in the persistent batch
+    holds `num_known_tokens[i]` tokens. A position the row does not hold (`>=` that count) is
+    the token the last step sampled for the request, which only the device has: row
+    `last_sampled_rows[request id]` of that step's sampled tokens. Return two int64 arrays of
+    the same length, in decode order: `dst`, the indices i of those decodes, and `src`,
+    their rows in the last step's sampled tokens. Every other decode's input is on the host.
+    """
+    dst = np.flatnonzero(decode_positions >= num_known_tokens)
+    src = np.fromiter((last_sampled_rows[decode_req_ids[i]] for i in dst), dtype=np.int64, count=len(dst))
+    return dst.astype(np.int64), src
+# --8<-- [end:inputs-from-last-step]
+
+
 @dataclass
 class StepInputs:
     """One prepared step: the order of its requests, and where its inputs sit on the device."""
@@ -392,9 +413,11 @@ class ModelRunner:
         logits_indices = self.query_start_loc.np[sample_rows + 1] - 1
 
         num_decodes = int((num_scheduled == 1).sum())
-        # Async scheduling: a decode whose input token the previous step is still sampling
-        # (the host does not have it: its position is past the row's known tokens).
-        pending = np.flatnonzero(positions[:num_decodes] >= batch.num_tokens[rows[:num_decodes]])
+        # Async scheduling: decodes whose input token the previous step is still sampling.
+        last_rows = self.last_sampled.index if self.last_sampled is not None else {}
+        pending, pending_src = inputs_from_last_step(
+            positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes], last_rows
+        )
         graph_size = None
         if self.cuda_graphs is not None and num_decodes == num_reqs:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
@@ -427,11 +450,10 @@ class ModelRunner:
         if len(pending):
             # Decodes come first, one token each: request i's input is token i. The gather
             # runs on the device, after the previous step's sampler, in stream order.
-            sampled = self.last_sampled
-            self.pending_src.np[: len(pending)] = [sampled.index[req_ids[i]] for i in pending]
+            self.pending_src.np[: len(pending)] = pending_src
             self.pending_dst.np[: len(pending)] = pending
             dst, src = self.pending_dst.copy_to_device(len(pending)), self.pending_src.copy_to_device(len(pending))
-            input_ids[dst] = sampled.token_ids[src]
+            input_ids[dst] = self.last_sampled.token_ids[src]
         self.logits_indices.np[: len(logits_indices)] = logits_indices
         # Pinned, as every input: a copy from pageable memory would wait for the device.
         logits_indices_gpu = self.logits_indices.copy_to_device(len(logits_indices))
