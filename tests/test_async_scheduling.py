@@ -92,6 +92,21 @@ def test_seeded_sampling_draws_the_same_tokens(tiny_qwen3):
     assert overlapped(llm) > 0
 
 
+def test_logprobs_arrive_with_their_tokens(tiny_qwen3):
+    folder, prompts = tiny_qwen3
+
+    def run_with_logprobs(async_scheduling: bool):
+        llm = make_llm(folder, async_scheduling)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6, logprobs=2), use_tqdm=False)
+        return llm, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                     for o in outputs]
+
+    _, expected = run_with_logprobs(False)
+    llm, got = run_with_logprobs(True)
+    assert got == expected
+    assert overlapped(llm) > 0
+
+
 def test_requests_that_need_host_tokens_run_synchronous_steps(tiny_qwen3):
     """Penalties and min_tokens read the tokens so far: while such a request runs, no overlap."""
     folder, prompts = tiny_qwen3

@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.api_server_count > 1:
+        import os
+
+        if not hasattr(os, "pidfd_open"):  # how an API process watches a core it did not start
+            raise ValueError("--api-server-count above 1 needs Linux (5.3 or later)")
         from minivllm.entrypoints.openai.api_server import run_api_servers
 
         config = engine_args.create_engine_config()
