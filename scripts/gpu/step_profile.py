@@ -30,9 +30,10 @@ parser.add_argument("--batch", type=int, default=256)
 parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--top", type=int, default=25)
 parser.add_argument("--async-scheduling", action="store_true")
+parser.add_argument("--shape", default="qwen3-0.6b", help="a shape of minivllm/bench/shapes.py, e.g. llama-3.2-1b")
 args = parser.parse_args()
 
-model = str(write_shape_folder("qwen3-0.6b", tempfile.mkdtemp()))
+model = str(write_shape_folder(args.shape, tempfile.mkdtemp()))
 llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=2048,
           async_scheduling=args.async_scheduling,
           enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, max_num_seqs=max(256, args.batch))
