@@ -38,11 +38,12 @@ llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=ar
           async_scheduling=args.async_scheduling,
           enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, max_num_seqs=max(256, args.batch))
 rng = random.Random(0)
+vocab_size = llm.llm_engine.config.model_config.vocab_size
 if args.workload == "prefill":
-    prompts = [[rng.randrange(150000) for _ in range(640)] for _ in range(200)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(640)] for _ in range(200)]
     params = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
 else:
-    prompts = [[rng.randrange(150000) for _ in range(16)] for _ in range(args.batch)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(16)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
 
 acc: collections.Counter = collections.Counter()
