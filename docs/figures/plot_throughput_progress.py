@@ -1,0 +1,74 @@
+"""Plot what each engine change bought on the H200: docs/figures/throughput-progress-h200.png.
+
+    python docs/figures/plot_throughput_progress.py
+
+Chapter 05's offline throughput on the nano-vllm workload, for both shapes, from the JSON that
+`scripts/gpu/executor.sh` wrote in each run (nothing typed in by hand): the first run, the run
+after the kernel warm-up and host-side fixes, and the run that compared synchronous steps
+with async scheduling side by side; HF transformers' `generate` beside them, and the physical
+bound of the same work as a red line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1]
+DATA = DOCS / "data"
+OUT = DOCS / "figures" / "throughput-progress-h200.png"
+
+BARS = [  # (label, data file, run inside it or None, result name with {shape})
+    ("first run", "executor-h200-2026-12-03.json", None, "throughput-{shape}-graphs"),
+    ("kernel warm-up,\nhost fixes", "executor-h200-2026-12-03-warm-up.json", None, "throughput-{shape}-graphs"),
+    ("synchronous\nsteps", "executor-h200-2026-12-03-async.json", "run1|run2", "throughput-{shape}-graphs"),
+    ("async\nscheduling", "executor-h200-2026-12-03-async.json", "run1", "throughput-{shape}-async"),
+    ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
+]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#616161"]
+FLOOR = "#c62828"
+
+
+def result(label_file: str, runs: str | None, name: str) -> dict | None:
+    data = json.loads((DATA / label_file).read_text())
+    if runs is None:
+        return data.get(name)
+    for run in runs.split("|"):  # the first run that holds it
+        if name in data.get(run, {}):
+            return data[run][name]
+    return None
+
+
+def plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (shape, title) in zip(axes, [("qwen3", "Qwen3-0.6B"), ("llama", "Llama-3.2-1B")]):
+        values, bound = [], None
+        for label, file, runs, name in BARS:
+            run = result(file, runs, name.format(shape=shape))
+            values.append(run["output_tokens_per_s"] if run else 0.0)
+            if run and run.get("bound_output_tokens_per_s") and "async" in label:  # the latest run's bound
+                bound = run["bound_output_tokens_per_s"]
+        bars = ax.bar(range(len(BARS)), values, color=COLORS)
+        for bar, value in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.0f}", ha="center", va="bottom", fontsize=7)
+        if bound:
+            ax.axhline(bound, color=FLOOR, linewidth=1.2)
+            ax.axhline(bound / 2, color=FLOOR, linewidth=0.8, linestyle="--")
+            ax.text(len(BARS) - 0.5, bound, f"bound {bound:,.0f}", color=FLOOR, ha="right", va="bottom", fontsize=7)
+            ax.text(len(BARS) - 0.5, bound / 2, "half the bound", color=FLOOR, ha="right", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(BARS)), [label for label, *_ in BARS], fontsize=7)
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{title}: nano-vllm workload on the H200")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+
+
+if __name__ == "__main__":
+    plot(OUT)
+    print(f"wrote {OUT}")
