@@ -186,4 +186,15 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A copy the engine owns, so a caller may reuse or change its own object.
+
+        Every field is an immutable value except the containers, which are copied; a deep
+        copy of the whole object cost a server about a tenth of a millisecond per request.
+        """
+        clone = copy.copy(self)
+        clone.stop = list(self.stop)
+        clone.stop_token_ids = list(self.stop_token_ids)
+        clone.all_stop_token_ids = set(self.all_stop_token_ids)
+        if self.structured_outputs is not None:  # holds a JSON schema: nested dicts
+            clone.structured_outputs = copy.deepcopy(self.structured_outputs)
+        return clone

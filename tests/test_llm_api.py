@@ -155,3 +155,19 @@ def test_missing_path_and_unknown_architecture(tmp_path):
 def test_unknown_engine_argument_is_a_clear_error():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(max_num_seq=4)
+
+
+def test_the_engine_owns_a_copy_of_the_sampling_params():
+    """`clone` copies what can change: the caller may reuse or edit its own object."""
+    from minivllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(stop=["a"], stop_token_ids=[3],
+                            structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {}}))
+    copy = params.clone()
+    copy.stop.append("b")
+    copy.stop_token_ids.append(9)
+    copy.all_stop_token_ids.add(1)
+    copy.structured_outputs.json["properties"]["x"] = {}
+    assert params.stop == ["a"] and params.stop_token_ids == [3] and params.all_stop_token_ids == {3}
+    assert params.structured_outputs.json["properties"] == {}
+    assert copy.stop == ["a", "b"] and copy.max_tokens == params.max_tokens
