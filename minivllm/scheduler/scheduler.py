@@ -307,7 +307,8 @@ class Scheduler:
                 continue
             if request.status != RequestStatus.RUNNING:
                 continue  # async scheduling: preempted after this step was launched; it resamples
-            request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
+            if request.num_output_placeholders:  # async scheduling: the awaited token is here
+                request.num_output_placeholders = max(request.num_output_placeholders - len(token_ids), 0)
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if check_stop(request, self.max_model_len):
