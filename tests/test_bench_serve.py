@@ -49,6 +49,7 @@ def test_summary_follows_the_definitions():
     assert s["mean_tpot_ms"] == pytest.approx((200.0 + 400.0) / 2)
     assert s["median_itl_ms"] == pytest.approx(200.0) and s["p99_itl_ms"] == pytest.approx(500.0)
     assert s["p99_e2el_ms"] == pytest.approx(2000.0)
+    assert s["output_events"] == 2 * 5, "each request: a first chunk and four gaps"
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ def test_a_load_run_against_the_server_completes_every_request(server, tmp_path)
     assert summary["duration_s"] >= 7 / 40, "fixed arrivals: 8 requests 1/40 s apart"
     assert 0 < summary["median_ttft_ms"] <= summary["median_e2el_ms"]
     assert "mean_itl_ms" in summary and result_file.exists()
+    assert 8 <= summary["output_events"] <= 8 * 6, "at least one event per request, at most one per token"
     # The generator's own CPU share is measured (process time over wall time; its few helper
     # threads can push it a little above 1 on a busy machine, never to 2).
     assert 0 < summary["client_cpu_fraction"] < 2

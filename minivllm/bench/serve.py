@@ -204,6 +204,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        # Chunks that carried tokens: fewer than the tokens when a lagging server merged some.
+        "output_events": sum(len(r.itl) + 1 for r in done if r.ttft),
     }
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1 and r.latency]
     samples = {
