@@ -7,6 +7,7 @@
 # minivllm; everything else stays the reference. A method sits in a stub class named like
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
+#   ch11-route-outputs        EngineCoreProc._send_to_clients  (minivllm/engine/core_proc.py)
 #   ch11-validate-api-key     api_key_matches  (minivllm/entrypoints/openai/api_server.py)
 #   ch11-validate-max-tokens  resolve_max_tokens  (minivllm/entrypoints/openai/serving_engine.py)
 #   ch11-sse-stream           sse_events  (minivllm/entrypoints/openai/serving_engine.py)
@@ -21,8 +22,26 @@ from typing import Any
 
 import torch
 
+from minivllm.engine.serial_utils import EngineCoreOutputs
+from minivllm.engine.types import EngineCoreOutput
 from minivllm.entrypoints.openai.errors import error_body, status_of
 from minivllm.structured_output.bitmask import BITS_PER_WORD
+
+
+class EngineCoreProc:
+    """Your methods of `minivllm.engine.core_proc.EngineCoreProc`; each is set on the real class."""
+
+    # exercise[ch11-route-outputs]: group by self.request_clients.get(id, 0) in step order; forget finished ids; one EngineCoreOutputs(outputs=..., client_index=...) per front end
+    def _send_to_clients(self, outputs: list[EngineCoreOutput]) -> None:
+        """Several front ends: one message per front end, with the outputs of its requests.
+
+        `self.request_clients` maps a request id to the index of the front end that sent it
+        (absent: 0). Put on `self.output_queue` one `EngineCoreOutputs(outputs=...,
+        client_index=...)` per front end that has outputs in this step, its outputs in the
+        order of `outputs`. A finished output (`finish_reason` set) is the request's last:
+        remove its id from `self.request_clients`.
+        """
+        raise NotImplementedError("ch11-route-outputs: group by self.request_clients.get(id, 0) in step order; forget finished ids; one EngineCoreOutputs(outputs=..., client_index=...) per front end")
 
 
 # exercise[ch11-validate-api-key]: expect "Bearer <key>"; compare with hmac.compare_digest on bytes, never ==

@@ -118,8 +118,16 @@ class EngineCoreProc:
     # --8<-- [end:busy-loop]
 
     # --8<-- [start:send-to-clients]
+    # exercise[ch11-route-outputs]: group by self.request_clients.get(id, 0) in step order; forget finished ids; one EngineCoreOutputs(outputs=..., client_index=...) per front end
     def _send_to_clients(self, outputs: list[EngineCoreOutput]) -> None:
-        """Several front ends: one message per front end, with the outputs of its requests."""
+        """Several front ends: one message per front end, with the outputs of its requests.
+
+        `self.request_clients` maps a request id to the index of the front end that sent it
+        (absent: 0). Put on `self.output_queue` one `EngineCoreOutputs(outputs=...,
+        client_index=...)` per front end that has outputs in this step, its outputs in the
+        order of `outputs`. A finished output (`finish_reason` set) is the request's last:
+        remove its id from `self.request_clients`.
+        """
         by_client: dict[int, list[EngineCoreOutput]] = {}
         for output in outputs:
             client = self.request_clients.get(output.request_id, 0)

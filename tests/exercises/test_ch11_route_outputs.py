@@ -1,4 +1,6 @@
-"""The engine core with several front ends (`--api-server-count`, chapter 11), without processes.
+"""Chapter 11 exercise: the engine core routes each step's outputs to several front ends.
+
+With `--api-server-count`, one engine core serves several API processes, without processes here.
 
 `EngineCoreProc` remembers which front end sent each request and sends every step's outputs
 back split by front end; a refused request's error and a utility answer go to the asker. A
@@ -79,6 +81,7 @@ def queued(proc: EngineCoreProc) -> list:
     return items
 
 
+@pytest.mark.exercise("ch11-route-outputs")
 def test_each_front_end_gets_the_outputs_of_its_own_requests():
     proc, core = two_front_ends()
     add(proc, 0, "a")
@@ -93,7 +96,7 @@ def test_each_front_end_gets_the_outputs_of_its_own_requests():
     assert proc.request_clients == {"a": 0}, "an aborted request is forgotten"
 
 
-def test_a_refused_request_and_a_utility_answer_go_to_the_asker():
+def test_a_refused_request_and_a_utility_answer_go_to_the_asker():  # not the exercise: the input side
     proc, _ = two_front_ends()
     add(proc, 1, "dup")
     add(proc, 1, "dup")  # the fake core refuses a duplicate id, as the scheduler does
