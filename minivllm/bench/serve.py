@@ -20,10 +20,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -31,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from minivllm.bench import git_commit
 
 # Random prompt tokens are drawn from this id range: ordinary tokens in any vocabulary of
 # 30k+ (SmolLM2: 49k, Qwen3: 152k), away from the special tokens at either end.
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"warning: this load generator was busy {client_cpu / duration:.0%} of the run; the server may be "
                   "faster than these numbers (run several generators, or fewer streams)", file=sys.stderr)
     summary.update(
-        backend=args.backend, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=_git_commit(),
+        backend=args.backend, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
         command="minivllm bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
         num_prompts=args.num_prompts, num_workers=args.num_workers, request_rate=args.request_rate, arrival=args.arrival, max_concurrency=args.max_concurrency,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
@@ -302,16 +302,6 @@ def _print_summary(summary: dict[str, Any]) -> None:
         elif key not in ("command",):
             print(f"{key:<40}{str(value):>20}")
     print("=" * 60)
-
-
-def _git_commit() -> str:
-    if os.environ.get("MINIVLLM_COMMIT"):  # set by scripts run from a copy without .git
-        return os.environ["MINIVLLM_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from minivllm.bench import report
+from minivllm.bench import git_commit, report
 
 
 # --8<-- [start:workload]
@@ -95,19 +94,11 @@ def physical_bound(prompt_lens: list[int], output_lens: list[int], num_steps: in
 
 def run_info() -> dict:
     """When, where and on what code a result was measured."""
-    import os
-
-    commit = os.environ.get("MINIVLLM_COMMIT", "")  # set by scripts run from a copy without .git
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-        except OSError:
-            commit = ""
     import torch
 
     return {
         "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
+        "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
     }

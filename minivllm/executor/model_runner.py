@@ -414,10 +414,13 @@ class ModelRunner:
 
         num_decodes = int((num_scheduled == 1).sum())
         # Async scheduling: decodes whose input token the previous step is still sampling.
-        last_rows = self.last_sampled.index if self.last_sampled is not None else {}
-        pending, pending_src = inputs_from_last_step(
-            positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes], last_rows
-        )
+        # (With no step in flight, every input is on the host: nothing to look for.)
+        pending = pending_src = ()
+        if self.last_sampled is not None:
+            pending, pending_src = inputs_from_last_step(
+                positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes],
+                self.last_sampled.index,
+            )
         graph_size = None
         if self.cuda_graphs is not None and num_decodes == num_reqs:
             graph_size = self.cuda_graphs.padded_size(num_reqs)

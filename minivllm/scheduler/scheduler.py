@@ -129,10 +129,11 @@ class Scheduler:
         # 3. The tokens scheduled now will have K/V once the step ran; count them as computed.
         #    With async scheduling, a request that samples in this step holds a placeholder
         #    for the token until `update_from_output` brings it, a step later.
+        async_scheduling = self.config.async_scheduling
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
-            if self.config.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+            if async_scheduling and request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
         # 4. KV offloading: the block copies this step's decisions need, run before the forward.

@@ -88,15 +88,13 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[dict[str, Any]]:
         response_id, created = random_id("chatcmpl"), ChatCompletionResponse(model=model, choices=[]).created
 
-        def chunk(choice: ChatStreamChoice | dict[str, Any] | None, usage: UsageInfo | None = None) -> dict[str, Any]:
-            if isinstance(choice, ChatStreamChoice):
-                choice = choice.model_dump()
+        def chunk(choice: dict[str, Any] | None, usage: UsageInfo | None = None) -> dict[str, Any]:
             return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [choice] if choice is not None else [],
                     **({"usage": usage.model_dump()} if usage is not None else {})}
 
         for index in range(request.n):  # OpenAI opens every choice with the role
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")).model_dump())
         num_generated = 0
         output: RequestOutput | None = first
         while output is not None:
