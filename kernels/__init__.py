@@ -28,7 +28,12 @@ from minivllm.kernels.paged_attention import (
 )
 from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
-from minivllm.kernels.rotary import rotary_embedding, rotary_embedding_reference
+from minivllm.kernels.rotary import (
+    qk_norm_rotary_embedding,
+    qk_norm_rotary_embedding_reference,
+    rotary_embedding,
+    rotary_embedding_reference,
+)
 
 # --8<-- [start:registry]
 KERNELS: dict[str, tuple[Callable, Callable]] = {
@@ -37,6 +42,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "paged_prefill_attention": (paged_prefill_attention, paged_prefill_attention_reference),
     "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_reference),
     "rotary_embedding": (rotary_embedding, rotary_embedding_reference),
+    "qk_norm_rotary_embedding": (qk_norm_rotary_embedding, qk_norm_rotary_embedding_reference),
     "silu_and_mul": (silu_and_mul, silu_and_mul_reference),
 }
 # --8<-- [end:registry]

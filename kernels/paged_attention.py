@@ -106,8 +106,10 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
     scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
+    out_ptr, out_stride_seq, out_stride_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,6 +140,11 @@ def _decode_partial_kernel(
         v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION)
 
+    if ONE_SPLIT:  # the whole context in this program: normalize and write the output, no merge
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        return
     # Partial results of this split: unnormalized acc, and (max, sum) for the merge.
     row = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
@@ -183,7 +190,14 @@ def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; written into `out`
+    ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
+
+    With one split (many sequences: enough programs already), the partial kernel normalizes
+    and writes the output itself; otherwise the merge kernel combines the splits.
+    """
     # Defaults from a sweep on the H200 (scripts/gpu/sweep_attention.py): 64-token tiles,
     # 4 warps, 3 pipeline stages reached 0.97x the copy bandwidth at batch 64, context 4096.
     num_seqs, num_heads, head_dim = query.shape
@@ -196,17 +210,24 @@ def paged_decode_attention(
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_size)
     query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
-    mid_out = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=query.device)
-    mid_ml = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=query.device)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1, "out must be [num_seqs, num_heads, head_dim], unit stride"
+    one_split = num_splits == 1
+    # With one split the partial buffers are not written: a one-row placeholder stands in.
+    rows = 1 if one_split else num_seqs * num_heads * num_splits
+    mid_out = torch.empty(rows, head_dim, dtype=torch.float32, device=query.device)
+    mid_ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
-        block_tables.stride(0), num_splits, split_size,
+        block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        ONE_SPLIT=one_split, num_warps=num_warps, num_stages=num_stages,
     )
-    out = torch.empty_like(query)
+    if one_split:
+        return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         mid_out, mid_ml, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=merge_block_s(num_splits), NUM_HEADS=num_heads,

@@ -56,7 +56,7 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
-                            "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
+                            "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
 
@@ -70,6 +70,23 @@ def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, d
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
     out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits)
     assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
+
+
+@FAST
+@given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), splits=st.integers(1, 3),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_decode_attention_writes_only_the_rows_of_out(seq_lens, splits, dtype, seed):
+    # The backend passes the first rows of its output buffer, and the query as a strided view
+    # of the fused qkv projection: the kernel must honour both strides and touch nothing else.
+    kernel, reference = KERNELS["paged_decode_attention"]
+    q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, 4, 64, 16, dtype, seed)
+    qkv = torch.full((q.shape[0], q.shape[1] + 4, 64), float("nan"), dtype=dtype, device=DEVICE)
+    qkv[:, : q.shape[1]] = q
+    output = torch.full((q.shape[0] + 2, q.shape[1], 64), float("nan"), dtype=dtype, device=DEVICE)
+    returned = kernel(qkv[:, : q.shape[1]], kv, bt, sl, 64**-0.5, num_splits=splits, out=output[: q.shape[0]])
+    assert returned.data_ptr() == output.data_ptr()
+    assert rel_err(output[: q.shape[0]], reference(q, kv, bt, sl, 64**-0.5)) < TOLERANCE[dtype]
+    assert output[q.shape[0]:].isnan().all(), "the kernel wrote past the rows it was given"
 
 
 @FAST
@@ -136,6 +153,31 @@ def test_rotary_embedding(num_tokens, heads, head_dim, dtype, seed):
     ref_q, ref_k = reference(positions, q, k, cache)
     out_q, out_k = kernel(positions, q.clone(), k.clone(), cache)
     assert rel_err(out_q, ref_q) < TOLERANCE[dtype] and rel_err(out_k, ref_k) < TOLERANCE[dtype]
+
+
+@FAST
+@given(num_tokens=st.integers(1, 20), heads=st.sampled_from([(4, 1), (6, 2), (5, 5)]), head_dim=st.sampled_from([64, 128]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_qk_norm_rotary_embedding_in_place_on_the_qkv_projection(num_tokens, heads, head_dim, dtype, seed):
+    # As Qwen3 calls it: q and k are strided views of one qkv row per token; v must not change.
+    from minivllm.models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    cache = RotaryEmbedding(head_dim, 300, 1000000.0).cos_sin_cache.to(DEVICE)
+    positions = torch.randint(0, 300, (num_tokens,), generator=g).to(DEVICE)
+    num_q, num_k = heads
+    qkv = (3 * torch.randn(num_tokens, (num_q + 2 * num_k) * head_dim, generator=g)).to(dtype).to(DEVICE)
+    q_weight = (1 + torch.rand(head_dim, generator=g)).to(dtype).to(DEVICE)
+    k_weight = (1 + torch.rand(head_dim, generator=g)).to(dtype).to(DEVICE)
+    before = qkv.clone()
+    q = qkv[:, : num_q * head_dim].view(num_tokens, num_q, head_dim)
+    k = qkv[:, num_q * head_dim : (num_q + num_k) * head_dim].view(num_tokens, num_k, head_dim)
+    kernel, reference = KERNELS["qk_norm_rotary_embedding"]
+    ref_q, ref_k = reference(positions, q.clone(), k.clone(), cache, q_weight, k_weight, 1e-6)
+    out_q, out_k = kernel(positions, q, k, cache, q_weight, k_weight, 1e-6)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "in place"
+    assert rel_err(out_q, ref_q) < TOLERANCE[dtype] and rel_err(out_k, ref_k) < TOLERANCE[dtype]
+    assert torch.equal(qkv[:, (num_q + num_k) * head_dim :], before[:, (num_q + num_k) * head_dim :]), "v changed"
 
 
 @FAST

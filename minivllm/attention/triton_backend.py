@@ -35,12 +35,12 @@ class TritonAttentionBackend:
         call = self.kernels.call_kernel
         n = meta.num_actual_tokens
         call("reshape_and_cache", key[:n], value[:n], kv_cache, meta.slot_mapping)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the caller needs
         d = meta.num_decodes  # decode requests come first, one token each
-        if d > 0:
-            output[:d] = call(
+        if d > 0:  # written straight into the output's first rows (no copy kernel)
+            call(
                 "paged_decode_attention", query[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                max_seq_len=max(meta.seq_lens_cpu[:d]),
+                max_seq_len=max(meta.seq_lens_cpu[:d]), out=output[:d],
             )
         if d < meta.num_reqs:
             if "prefill_tiles" not in meta.backend_cache:  # the same for every layer of this step

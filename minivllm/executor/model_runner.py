@@ -240,12 +240,14 @@ class ModelRunner:
         block_n = 64  # the decode launcher's default tile
         # The most splits a step can use: one sequence of max_model_len tokens.
         most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
-        block_s = 16
+        # One split (the partial kernel writes the output itself), then each merge tile size.
+        split_counts, block_s = [1], 16
         while block_s <= kernels.merge_block_s(most_splits):
-            splits = min(block_s, most_splits)
+            split_counts.append(min(block_s, most_splits))
+            block_s *= 2
+        for splits in dict.fromkeys(split_counts):
             kernels.paged_decode_attention(query, layer.kv_cache, block_tables, seq_lens, layer.scale,
                                            max_seq_len=splits * block_n, num_splits=splits, block_n=block_n)
-            block_s *= 2
     # --8<-- [end:warm-up]
 
     def capture_cuda_graphs(self) -> None:

@@ -52,9 +52,10 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:  # Qwen3: RMSNorm each head before RoPE (one fused kernel on CUDA)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 # --8<-- [end:llama-attention]
 

@@ -61,11 +61,21 @@ class RotaryEmbedding(nn.Module):
 
     # --8<-- [start:rope-forward]
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, heads, head_dim], key [T, kv_heads, head_dim] → rotated (copies, or in place on CUDA)."""
+        """query [T, heads, head_dim], key [T, kv_heads, head_dim] → rotated (copies, or in place on CUDA).
+
+        With `q_norm` and `k_norm` (Qwen3's per-head RMSNorms), each head is normalized first;
+        on CUDA one kernel does both.
+        """
         if use_triton_ops(query):
+            if q_norm is not None:
+                return call_kernel("qk_norm_rotary_embedding", positions, query, key, self.cos_sin_cache,
+                                   q_norm.weight, k_norm.weight, q_norm.eps)
             return call_kernel("rotary_embedding", positions, query, key, self.cos_sin_cache)
+        if q_norm is not None:
+            query, key = q_norm(query), k_norm(key)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, head_dim / 2]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
