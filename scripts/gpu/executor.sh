@@ -49,6 +49,10 @@ for part in $PARTS; do
     profile-llama)  # the Llama shape's decode step at batch 256, async, and its latency ladder
       timeout 120 python3 scripts/gpu/step_profile.py --shape llama-3.2-1b --workload decode --batch 256 --tokens 64 --caching off --top 12 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       bench latency-llama-3.2-1b-async latency --shape llama-3.2-1b --batch-sizes 1,64,256 --output-len 64 --num-iters 3 --async-scheduling ;;
+    sweep-decode)  # the decode kernel's settings at the throughput benchmark's batch-256 shapes
+      timeout 150 python3 scripts/gpu/sweep_decode_shapes.py --json "$OUT/decode-shapes.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
+    kernel-tests)
+      timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;
     kprofile)  # the GPU kernels of a decode graph replay, both shapes, batch 1 and 256
       for shape in qwen3-0.6b llama-3.2-1b; do
         timeout 180 python3 scripts/gpu/kernel_profile.py --shape $shape --batch 1 --batch 256 --json "$OUT/kernels-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
