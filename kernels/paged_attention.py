@@ -9,7 +9,9 @@ program processes (BLOCK_N) is independent of the cache's block size.
 query rows of all query heads that share that KV head (GQA: the group is read once, used G
 times), walks its share of the context with an online softmax, and writes an unnormalized
 partial result; a second kernel merges the splits (flash-decoding). Splitting the context
-keeps the GPU busy when there are few requests with long contexts.
+keeps the GPU busy when there are few requests with long contexts; with one split there is
+nothing to merge and the program writes the output. Small heads (64 channels) are read two
+KV heads per program, so that each token's K and V rows are 256 contiguous bytes.
 
 **Prefill** (new prompts, continued chunks). One program per (tile of BLOCK_M query tokens of
 one request, KV head) packs the G query heads of that KV head into its rows and attends to the
