@@ -52,7 +52,7 @@ for name, heads, kv_heads, head_dim in [("qwen3-0.6b", 16, 8, 128), ("llama-3.2-
     few = slice(0, 8)
     ref = paged_decode_attention_reference(q[few], kv, block_tables[few], seq_lens[few], head_dim**-0.5)
     rows = []
-    for pack, block_n, warps, stages in itertools.product([1, 2], [64, 128], [2, 4, 8], [2, 3]):
+    for pack, block_n, warps, stages in itertools.product([1, 2], [64, 128], [4, 8], [3]):
         f = lambda: paged_decode_attention(q, kv, block_tables, seq_lens, head_dim**-0.5,  # noqa: E731
                                            block_n=block_n, num_warps=warps, num_stages=stages,
                                            kv_heads_per_program=pack)
