@@ -21,7 +21,6 @@ from minivllm.kernels.paged_attention import (
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
-    decode_kv_heads_per_program,
     decode_num_splits,
     merge_block_s,
     prefill_block_m,

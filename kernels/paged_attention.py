@@ -10,8 +10,7 @@ query rows of all query heads that share that KV head (GQA: the group is read on
 times), walks its share of the context with an online softmax, and writes an unnormalized
 partial result; a second kernel merges the splits (flash-decoding). Splitting the context
 keeps the GPU busy when there are few requests with long contexts; with one split there is
-nothing to merge and the program writes the output. Small heads (64 channels) are read two
-KV heads per program, so that each token's K and V rows are 256 contiguous bytes.
+nothing to merge, and the program writes the output itself.
 
 **Prefill** (new prompts, continued chunks). One program per (tile of BLOCK_M query tokens of
 one request, KV head) packs the G query heads of that KV head into its rows and attends to the
@@ -80,13 +79,12 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor
 def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.constexpr):
     """Fold one tile of BLOCK_N context tokens into the running softmax of the G query rows.
 
-    q is [BLOCK_G, BLOCK_C] (the query heads of the program's KV heads, each row zero outside
-    its own KV head's channels; padding rows are 0); k and v are [BLOCK_N, BLOCK_C], the
-    tile's keys and values (the KV heads side by side); n_mask [BLOCK_N] is False for
+    q is [BLOCK_G, BLOCK_D] (the query heads that share this KV head; padding rows are 0);
+    k and v are [BLOCK_N, BLOCK_D], the tile's keys and values; n_mask [BLOCK_N] is False for
     tokens past the end of the split, whose k and v were loaded as 0: they must get no weight.
     At least one token of a tile is valid. The running state, per query row: m_i [BLOCK_G],
     the largest score so far; l_i [BLOCK_G], the sum of exp2(score - m_i) so far; acc
-    [BLOCK_G, BLOCK_C] float32, the sum of exp2(score - m_i) * v so far (not divided by l_i).
+    [BLOCK_G, BLOCK_D] float32, the sum of exp2(score - m_i) * v so far (not divided by l_i).
     Scores are in base 2: `scale` is head_dim**-0.5 * log2(e), so exp2(q·k * scale) equals
     exp(q·k * head_dim**-0.5). Use `tl.dot(..., input_precision=DOT_PRECISION)` for both
     products, with the probabilities cast to v's dtype. Returns the new (acc, m_i, l_i).
@@ -110,52 +108,47 @@ def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
     scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
     out_ptr, out_stride_seq, out_stride_head,
-    GROUP: tl.constexpr, KV_PACK: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    first_kv_head = tl.program_id(1) * KV_PACK
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
 
-    # Rows: the GROUP query heads of each of the KV_PACK KV heads (padded to BLOCK_G). Columns:
-    # the KV_PACK heads' channels side by side, as they lie in a cache slot, so a row of K or V
-    # is one contiguous read. A query row is zero outside its own KV head's columns, so q·kᵀ
-    # sums only its own head's channels; of acc, each row keeps only its own columns.
     offs_g = tl.arange(0, BLOCK_G)
-    offs_c = tl.arange(0, BLOCK_C)
-    heads = first_kv_head * GROUP + offs_g
-    dims = offs_c % HEAD_DIM
-    g_mask = offs_g < KV_PACK * GROUP
-    c_mask = offs_c < KV_PACK * HEAD_DIM
-    own = g_mask[:, None] & c_mask[None, :] & ((offs_g // GROUP)[:, None] == (offs_c // HEAD_DIM)[None, :])
-    q = tl.load(q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :], mask=own, other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         block_id = tl.load(block_tables_ptr + seq * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
         slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_offs = slots[:, None] * cache_stride_slot + first_kv_head * HEAD_DIM + offs_c[None, :]
-        kv_mask = n_mask[:, None] & c_mask[None, :]
+        kv_offs = slots[:, None] * cache_stride_slot + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION)
 
     if ONE_SPLIT:  # the whole context in this program: normalize and write the output, no merge
         out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=own)
+        tl.store(out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
     # Partial results of this split: unnormalized acc, and (max, sum) for the merge.
     row = (seq * NUM_HEADS + heads) * num_splits + split
-    tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=own)
+    tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_ml_ptr + row * 2, m_i, mask=g_mask)
     tl.store(mid_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 # --8<-- [end:decode-partial-kernel]
@@ -198,15 +191,13 @@ def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 4,
-    out: torch.Tensor | None = None, kv_heads_per_program: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
 
     With one split (many sequences: enough programs already), the partial kernel normalizes
-    and writes the output itself; otherwise the merge kernel combines the splits. A program
-    reads `kv_heads_per_program` adjacent KV heads (default: as many as make 128 channels,
-    e.g. 2 of head_dim 64), so each token's K and V rows are 256-byte contiguous reads.
+    and writes the output itself; otherwise the merge kernel combines the splits.
     """
     # Defaults from a sweep on the H200 (scripts/gpu/sweep_attention.py): 64-token tiles,
     # 4 warps, 3 pipeline stages reached 0.97x the copy bandwidth at batch 64, context 4096.
@@ -215,10 +206,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    pack = kv_heads_per_program or decode_kv_heads_per_program(num_kv_heads, head_dim)
-    assert num_kv_heads % pack == 0, "kv_heads_per_program must divide the number of KV heads"
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads // pack, max_seq_len, query.device, block_n, programs_per_sm)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, programs_per_sm)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_size)
     query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
@@ -230,13 +219,13 @@ def paged_decode_attention(
     rows = 1 if one_split else num_seqs * num_heads * num_splits
     mid_out = torch.empty(rows, head_dim, dtype=torch.float32, device=query.device)
     mid_ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
-    _decode_partial_kernel[(num_seqs, num_kv_heads // pack, num_splits)](
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
         block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1),
-        GROUP=group, KV_PACK=pack, BLOCK_G=max(16, next_power_of_2(pack * group)), HEAD_DIM=head_dim,
-        BLOCK_C=next_power_of_2(pack * head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads,
-        DOT_PRECISION=_dot_precision(query.dtype), ONE_SPLIT=one_split, num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
+        ONE_SPLIT=one_split, num_warps=num_warps, num_stages=num_stages,
     )
     if one_split:
         return out
@@ -259,18 +248,6 @@ def decode_num_splits(
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
-
-
-def decode_kv_heads_per_program(num_kv_heads: int, head_dim: int) -> int:
-    """How many adjacent KV heads one decode program reads: enough for 128 channels per token.
-
-    A cache slot holds every KV head of a token side by side, so two heads of 64 channels are
-    one 256-byte read instead of two 128-byte ones, and their query groups share the program.
-    """
-    pack = 1
-    while pack * 2 * head_dim <= 128 and num_kv_heads % (pack * 2) == 0:
-        pack *= 2
-    return pack
 
 
 def merge_block_s(num_splits: int) -> int:

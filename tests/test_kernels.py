@@ -64,24 +64,11 @@ def test_registry_lists_every_kernel_with_a_reference():
 @FAST
 @given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]), splits=st.integers(1, 3),
-       pack=st.sampled_from([None, 1, 2]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, pack, dtype, seed):
-    # pack: KV heads per program (None: the launcher's choice, 2 for head_dim 64 here); with 2,
-    # a program's rows mix two KV heads' query groups, each reading only its own channels.
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, dtype, seed):
     kernel, reference = KERNELS["paged_decode_attention"]
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
-    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, kv_heads_per_program=pack)
-    assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("head_dim,group,pack,splits", [(64, 4, 2, 1), (64, 8, 2, 3), (128, 2, 2, 1), (64, 1, None, 2)])
-def test_paged_decode_attention_with_packed_kv_heads(head_dim, group, pack, splits):
-    # Always run (hypothesis may not draw it): two KV heads per program, whose query rows
-    # must each see only their own head's channels (Llama-3.2-1B: head_dim 64, group 4).
-    kernel, reference = KERNELS["paged_decode_attention"]
-    dtype = DTYPES[-1]
-    q, kv, bt, sl = paged_problem([37, 150, 5], [1, 1, 1], 2, group, head_dim, 16, dtype, 1)
-    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, kv_heads_per_program=pack)
+    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits)
     assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
 
 

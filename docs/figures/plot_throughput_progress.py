@@ -4,8 +4,8 @@
 
 Chapter 05's offline throughput on the nano-vllm workload, for both shapes, from the JSON that
 `scripts/gpu/executor.sh` wrote in each run (nothing typed in by hand): the first run, the run
-after the kernel warm-up and host-side fixes, and the run that compared synchronous steps
-with async scheduling side by side; HF transformers' `generate` beside them, and the physical
+after the kernel warm-up and host-side fixes, the run that compared synchronous steps with
+async scheduling side by side, and the run after fusing kernels (fewer launches per layer); HF transformers' `generate` beside them, and the physical
 bound of the same work as a red line.
 """
 
@@ -20,12 +20,13 @@ OUT = DOCS / "figures" / "throughput-progress-h200.png"
 
 BARS = [  # (label, data file, run inside it or None, result name with {shape})
     ("first run", "executor-h200-2026-12-03.json", None, "throughput-{shape}-graphs"),
-    ("kernel warm-up,\nhost fixes", "executor-h200-2026-12-03-warm-up.json", None, "throughput-{shape}-graphs"),
+    ("kernel\nwarm-up,\nhost fixes", "executor-h200-2026-12-03-warm-up.json", None, "throughput-{shape}-graphs"),
     ("synchronous\nsteps", "executor-h200-2026-12-03-async.json", "run1|run2", "throughput-{shape}-graphs"),
     ("async\nscheduling", "executor-h200-2026-12-03-async.json", "run1", "throughput-{shape}-async"),
+    ("fewer kernels\n(fused), async", "executor-h200-2026-12-03-fused.json", None, "throughput-{shape}-async"),
     ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
 ]
-COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#616161"]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#616161"]
 FLOOR = "#c62828"
 
 
@@ -51,7 +52,7 @@ def plot(out: Path) -> None:
         for label, file, runs, name in BARS:
             run = result(file, runs, name.format(shape=shape))
             values.append(run["output_tokens_per_s"] if run else 0.0)
-            if run and run.get("bound_output_tokens_per_s") and "async" in label:  # the latest run's bound
+            if run and run.get("bound_output_tokens_per_s") and "async" in label:  # the latest engine run's bound
                 bound = run["bound_output_tokens_per_s"]
         bars = ax.bar(range(len(BARS)), values, color=COLORS)
         for bar, value in zip(bars, values):

@@ -22,13 +22,12 @@ import triton.language as tl
 def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.constexpr):
     """Fold one tile of BLOCK_N context tokens into the running softmax of the G query rows.
 
-    q is [BLOCK_G, BLOCK_C] (the query heads of the program's KV heads, each row zero outside
-    its own KV head's channels; padding rows are 0); k and v are [BLOCK_N, BLOCK_C], the
-    tile's keys and values (the KV heads side by side); n_mask [BLOCK_N] is False for
+    q is [BLOCK_G, BLOCK_D] (the query heads that share this KV head; padding rows are 0);
+    k and v are [BLOCK_N, BLOCK_D], the tile's keys and values; n_mask [BLOCK_N] is False for
     tokens past the end of the split, whose k and v were loaded as 0: they must get no weight.
     At least one token of a tile is valid. The running state, per query row: m_i [BLOCK_G],
     the largest score so far; l_i [BLOCK_G], the sum of exp2(score - m_i) so far; acc
-    [BLOCK_G, BLOCK_C] float32, the sum of exp2(score - m_i) * v so far (not divided by l_i).
+    [BLOCK_G, BLOCK_D] float32, the sum of exp2(score - m_i) * v so far (not divided by l_i).
     Scores are in base 2: `scale` is head_dim**-0.5 * log2(e), so exp2(q·k * scale) equals
     exp(q·k * head_dim**-0.5). Use `tl.dot(..., input_precision=DOT_PRECISION)` for both
     products, with the probabilities cast to v's dtype. Returns the new (acc, m_i, l_i).

@@ -239,8 +239,7 @@ class ModelRunner:
         block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
         block_n = 64  # the decode launcher's default tile
         # The most splits a step can use: one sequence of max_model_len tokens.
-        programs_per_seq = layer.num_kv_heads // kernels.decode_kv_heads_per_program(layer.num_kv_heads, layer.head_dim)
-        most_splits = kernels.decode_num_splits(1, programs_per_seq, self.max_model_len, self.device, block_n)
+        most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
         # One split (the partial kernel writes the output itself), then each merge tile size.
         split_counts, block_s = [1], 16
         while block_s <= kernels.merge_block_s(most_splits):
