@@ -109,5 +109,19 @@ def test_stopping_the_launcher_stops_every_process(two_api_servers):
     assert len(workers) == 3, f"expected the engine core and two API processes, got {workers}"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
-    for pid in children:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), f"process {pid} outlived the launcher"
+
+    def alive(pid: int) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    for pid in workers:  # the launcher waits for these before it exits
+        assert not alive(pid), f"process {pid} outlived the launcher"
+    # The resource tracker ends when it reads EOF on its pipe, which the launcher's exit closes:
+    # a moment after the launcher, so it gets a few seconds.
+    deadline = time.monotonic() + 10
+    for pid in set(children) - set(workers):
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid), f"the resource tracker {pid} outlived the launcher by 10 s"

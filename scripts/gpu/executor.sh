@@ -4,6 +4,8 @@
 # copy-bandwidth bound, and the decode step time (eager vs CUDA graphs) against the weights-read
 # floor, for the Qwen3-0.6B and Llama-3.2-1B shapes. Results: $OUT/executor-h200.json, log: $OUT/log.txt.
 #   MINIVLLM_COMMIT=$(git rev-parse --short HEAD) PARTS="tests qwen llama latq latl parity" scripts/gpu/executor.sh
+# Other parts: qwen-graphs llama-graphs qwen-eager async profile profile-async profile-llama
+# kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res

@@ -249,6 +249,7 @@ def run_api_servers(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
         port_guard.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
         if own_metrics_dir:
