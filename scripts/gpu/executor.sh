@@ -5,7 +5,8 @@
 # floor, for the Qwen3-0.6B and Llama-3.2-1B shapes. Results: $OUT/executor-h200.json, log: $OUT/log.txt.
 #   MINIVLLM_COMMIT=$(git rev-parse --short HEAD) PARTS="tests qwen llama latq latl parity" scripts/gpu/executor.sh
 # Other parts: qwen-graphs llama-graphs qwen-eager async profile profile-async profile-llama
-# kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests.
+# kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests
+# profile-eager (where an eager step's ~15 ms of host time goes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -59,6 +60,8 @@ for part in $PARTS; do
       for shape in qwen3-0.6b llama-3.2-1b; do
         timeout 180 python3 scripts/gpu/kernel_profile.py --shape $shape --batch 1 --batch 256 --json "$OUT/kernels-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
+    profile-eager)  # an eager step (one 128-token prompt): the host's launches, by function
+      timeout 150 python3 scripts/gpu/step_profile.py --workload one-prompt --caching off --top 30 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG" ;;
     profile)  # where a decode step's time goes, at batch 256 and 1
       for b in 256 1; do
         timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"

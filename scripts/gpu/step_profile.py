@@ -4,8 +4,12 @@
     python scripts/gpu/step_profile.py --workload decode --batch 256
 
 `prefill`: 200 unique 640-token prompts, 10 output tokens each (the prefix-caching benchmark's
-0 %-hit workload); `decode`: `--batch` 16-token prompts decoding `--tokens` tokens. Prints the
-steps, the seconds, per-part milliseconds per step, and the top functions by own time.
+0 %-hit workload); `decode`: `--batch` 16-token prompts decoding `--tokens` tokens;
+`one-prompt` (with `--caching off`): one 128-token prompt generating one token, 20 times, so
+every step is one small eager step, the kind a server runs whenever a request arrives.
+Prints the steps, the seconds, per-part milliseconds per step (`runner.forward` is the host's
+time to launch an eager forward pass: graph replays do not go through it), and the top
+functions by own time.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench.shapes import write_shape_folder
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
+parser.add_argument("--workload", choices=["prefill", "decode", "one-prompt"], default="prefill")
 parser.add_argument("--caching", choices=["on", "off"], default="on")
 parser.add_argument("--eager", action="store_true")
 parser.add_argument("--batch", type=int, default=256)
@@ -42,6 +46,9 @@ vocab_size = llm.llm_engine.config.model_config.vocab_size
 if args.workload == "prefill":
     prompts = [[rng.randrange(vocab_size) for _ in range(640)] for _ in range(200)]
     params = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
+elif args.workload == "one-prompt":
+    prompts = [[rng.randrange(vocab_size) for _ in range(128)]]
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
 else:
     prompts = [[rng.randrange(vocab_size) for _ in range(16)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
@@ -70,11 +77,13 @@ wrap(core.executor, "execute_model", "executor.execute_model")
 wrap(core.executor, "execute_model_async", "executor.execute_model_async (launch)")
 wrap(runner, "_prepare_inputs", "runner._prepare_inputs")
 wrap(runner, "_finish_step", "runner._finish_step (waits for the tokens)")
+wrap(runner, "forward", "runner.forward (eager launches)")
 wrap(llm.llm_engine.output_processor, "process_outputs", "output_processor.process_outputs")
 
 
 def run():
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for _ in range(20 if args.workload == "one-prompt" else 1):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 run()  # warm-up: compiles, first-touch allocations
