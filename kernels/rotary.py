@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._utils import next_power_of_2
+from minivllm.kernels.rms_norm import fused_add_rms_norm_reference
 
 
 def rotary_embedding_reference(
@@ -38,12 +39,9 @@ def qk_norm_rotary_embedding_reference(
     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm each head of query (weight q_weight) and key (k_weight), then RoPE: Qwen3's order."""
-
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-    return rotary_embedding_reference(positions, norm(query, q_weight), norm(key, k_weight), cos_sin_cache)
+    q_normed, _ = fused_add_rms_norm_reference(query, None, q_weight, eps)
+    k_normed, _ = fused_add_rms_norm_reference(key, None, k_weight, eps)
+    return rotary_embedding_reference(positions, q_normed, k_normed, cos_sin_cache)
 
 
 @triton.jit
@@ -97,7 +95,12 @@ def qk_norm_rotary_embedding(
     return _launch(positions, query, key, cos_sin_cache, q_weight, k_weight, eps)
 
 
-def _launch(positions, query, key, cos_sin_cache, q_weight, k_weight, eps):
+def _launch(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both launchers' one kernel; without weights (plain RoPE) NORM is off and q/k stand in
+    for the weight pointers, which are then never read."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     assert query.stride(-1) == 1 and key.stride(-1) == 1
