@@ -166,21 +166,49 @@ class CompilationConfig:
     """How the model runner makes the forward pass cheap to launch (chapter 05).
 
     `level` 0 runs the model as plain PyTorch; 1 runs it through `torch.compile` (attention
-    stays outside the compiled graphs). Independently, on CUDA, decode-only steps replay CUDA
-    graphs captured at `cuda_graph_sizes` batch sizes unless `enforce_eager` is set.
+    stays outside the compiled graphs). Independently, on CUDA, `cudagraph_mode` says which
+    steps replay CUDA graphs (none of them when `enforce_eager` is set), as vLLM's option of
+    that name does:
+
+      * "full_decode_only": decode-only steps replay one graph of the whole forward pass,
+        captured at `cuda_graph_sizes` batch sizes; every other step runs eagerly;
+      * "piecewise": every step whose token count fits `piecewise_cuda_graph_sizes` replays
+        the pieces of the forward pass between attention calls, attention running eagerly;
+      * "full_and_piecewise" (the default): full graphs for decode-only steps, pieces for
+        the rest (prefills, and decodes mixed with them);
+      * "none": no graphs (the same as `enforce_eager`).
     """
 
     level: int = 0
     enforce_eager: bool = False
+    cudagraph_mode: str = "full_and_piecewise"
     cuda_graph_sizes: list[int] | None = None  # None: 1, 2, 4, 8, then every 16 up to max_num_seqs
+    # Token counts; None: 1, 2, 4, 8, every 16 up to 256, then four sizes per doubling up to
+    # max_num_batched_tokens.
+    piecewise_cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.level not in (0, 1):
             raise ValueError(f"compilation level must be 0 (eager) or 1 (torch.compile), got {self.level}")
-        if self.cuda_graph_sizes is not None:
-            if not self.cuda_graph_sizes or any(int(n) < 1 for n in self.cuda_graph_sizes):
-                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
-            self.cuda_graph_sizes = sorted({int(n) for n in self.cuda_graph_sizes})
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        for name in ("cuda_graph_sizes", "piecewise_cuda_graph_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                if not sizes or any(int(n) < 1 for n in sizes):
+                    raise ValueError(f"{name} must be positive sizes, got {sizes}")
+                setattr(self, name, sorted({int(n) for n in sizes}))
+
+    @property
+    def full_decode_graphs(self) -> bool:
+        return not self.enforce_eager and self.cudagraph_mode in ("full_decode_only", "full_and_piecewise")
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        return not self.enforce_eager and self.cudagraph_mode in ("piecewise", "full_and_piecewise")
+
+
+CUDAGRAPH_MODES = ("none", "full_decode_only", "piecewise", "full_and_piecewise")
 # --8<-- [end:compilation-config]
 
 

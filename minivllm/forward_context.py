@@ -5,6 +5,8 @@ needs the step's batch layout (where each request's tokens start, its block tabl
 of every new token). Threading that through every layer's signature would clutter the model
 code, so, as vLLM does, the model runner sets it here for the duration of one forward pass
 and the attention layers read it. This is minivllm's only global mutable state (chapter 06).
+While piecewise CUDA graphs are captured, it also carries the object that ends one graph at
+each attention call and begins the next (`executor/cuda_graphs.py`, chapter 05).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from minivllm.attention.metadata import AttentionMetadata
 
@@ -19,16 +22,19 @@ from minivllm.attention.metadata import AttentionMetadata
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during a dummy (profiling) run
+    # Set only while piecewise CUDA graphs are captured: a `PiecewiseCapture`, whose
+    # `split_at(layer, q, k, v)` stands in for attention.
+    piecewise_capture: Any = None
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[None]:
+def set_forward_context(attn_metadata: AttentionMetadata | None, piecewise_capture: Any = None) -> Iterator[None]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    _forward_context = ForwardContext(attn_metadata, piecewise_capture)
     try:
         yield
     finally:

@@ -1,10 +1,11 @@
 """CUDA graphs and torch.compile change how the forward pass is launched, never what it computes.
 
-Greedy tokens from eager PyTorch, from decode steps replayed as CUDA graphs (padded to the
-captured sizes), and from the torch.compile'd model must be identical, on tiny random models
-in float32 (peaked enough that rounding cannot flip a greedy choice) with a batch that
-exercises padding (5 requests run the size-8 graph) and mixed prefill/decode steps. Needs
-CUDA: run on the GPU machine (scripts/gpu/executor.sh).
+Greedy tokens from eager PyTorch, from decode steps replayed as full CUDA graphs (padded to
+the captured sizes), from prefill and mixed steps replayed as piecewise graphs (attention
+eager between the pieces), and from the torch.compile'd model must be identical, on tiny
+random models in float32 (peaked enough that rounding cannot flip a greedy choice) with a
+batch that exercises padding (5 requests run the size-8 graph) and mixed prefill/decode
+steps. Needs CUDA: run on the GPU machine (scripts/gpu/executor.sh).
 """
 
 from __future__ import annotations
@@ -37,18 +38,25 @@ def run(folder, prompts, max_tokens: int = MAX_TOKENS, **engine_args) -> tuple[l
     # of a second engine in one process would count the first one's cache as its own peak).
     llm = LLM(str(folder), skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=256,
               num_gpu_blocks_override=128, **engine_args)
-    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    graphs, pieces = runner.cuda_graphs, runner.piecewise_graphs
     replays: list[int] = []
+    piecewise_replays: list[int] = []
     if graphs is not None:  # count the replays: a test that never replays proves nothing
         replay = graphs.replay
         graphs.replay = lambda size: replays.append(size) or replay(size)
+    if pieces is not None:
+        replay_pieces = pieces.replay
+        pieces.replay = lambda size, meta: piecewise_replays.append(size) or replay_pieces(size, meta)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
     info = {"graph_sizes": sorted(graphs.graphs) if graphs is not None else None, "replays": replays,
+            "piecewise_sizes": sorted(pieces.pieces) if pieces is not None else None,
+            "piecewise_replays": piecewise_replays,
             "overlapped_steps": llm.llm_engine.engine_core.num_overlapped_steps}
     llm.llm_engine.engine_core.shutdown()
-    del llm, graphs  # drop every reference to the engine: the next one sizes its cache from what is free
+    del llm, graphs, pieces, runner  # drop every reference to the engine: the next one sizes its cache from what is free
     gc.collect()
     torch.cuda.empty_cache()
     return tokens, info
@@ -61,20 +69,56 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def test_cuda_graphs_give_the_eager_tokens(tiny_model):
     folder, prompts = tiny_model
     eager, info = run(folder, prompts, enforce_eager=True)
-    assert info["graph_sizes"] is None, "enforce_eager must capture nothing"
-    graphs, info = run(folder, prompts, cuda_graph_sizes="1,2,4,8")
-    assert info["graph_sizes"] == [1, 2, 4, 8]
+    assert info["graph_sizes"] is None and info["piecewise_sizes"] is None, "enforce_eager must capture nothing"
+    graphs, info = run(folder, prompts, cuda_graph_sizes="1,2,4,8", cudagraph_mode="full_decode_only")
+    assert info["graph_sizes"] == [1, 2, 4, 8] and info["piecewise_sizes"] is None
     assert info["replays"] and set(info["replays"]) <= {8, 4, 2, 1}, "decode steps must replay graphs"
     assert 8 in info["replays"], "5 decoding requests run padded to the size-8 graph"
     for i, (a, b) in enumerate(zip(eager, graphs)):
         assert a == b, f"prompt {i}: CUDA graphs diverged from eager at token {first_difference(a, b)}"
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_piecewise_graphs_give_the_eager_tokens(tiny_model, mode):
+    """Prompts of 5..100 tokens in one 220-token step run padded to the 256 pieces; with a
+    32-token budget, chunks and decodes share steps (attention over a mixed batch, eager)."""
+    folder, prompts = tiny_model
+    for budget, sizes, padded in [(8192, "8,16,256", 256), (32, "8,16,32", 32)]:
+        eager, _ = run(folder, prompts, enforce_eager=True, max_num_batched_tokens=budget)
+        graphs, info = run(folder, prompts, cudagraph_mode=mode, cuda_graph_sizes="1,2,4,8",
+                           piecewise_cuda_graph_sizes=sizes, max_num_batched_tokens=budget)
+        assert info["piecewise_sizes"] == [int(n) for n in sizes.split(",")]
+        assert padded in info["piecewise_replays"], f"the first step must run padded to the size-{padded} pieces"
+        if mode == "piecewise":
+            assert info["graph_sizes"] is None and 8 in info["piecewise_replays"], "5 decodes run the 8-token pieces"
+        else:
+            assert 8 in info["replays"] and 8 not in info["piecewise_replays"], "decode-only steps run full graphs"
+        for i, (a, b) in enumerate(zip(eager, graphs)):
+            assert a == b, f"budget {budget}, prompt {i}: {mode} diverged from eager at token {first_difference(a, b)}"
+
+
+def test_an_unowned_view_aliases_memory_without_keeping_it():
+    from minivllm.executor.cuda_graphs import unowned_view
+
+    base = torch.arange(24, dtype=torch.bfloat16, device="cuda").view(4, 6)
+    view = unowned_view(base[:, 1:5])  # strided, offset
+    assert view.dtype == torch.bfloat16 and view.shape == (4, 4) and view.stride() == (6, 1)
+    assert view.data_ptr() == base[:, 1:5].data_ptr() and torch.equal(view, base[:, 1:5])
+    base[2, 3] = -1
+    assert view[2, 2] == -1, "the view must alias the memory, not copy it"
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    view = unowned_view(big)
+    before = torch.cuda.memory_allocated()
+    del big
+    assert torch.cuda.memory_allocated() == before - (64 << 20), "the view must not keep the memory allocated"
+
+
 def test_async_scheduling_gives_the_eager_tokens(tiny_model):
     """Step n+1's decodes read step n's tokens on the device, also inside a replayed graph."""
     eager, _ = run(tiny_model[0], tiny_model[1], enforce_eager=True)
-    overlapped, info = run(tiny_model[0], tiny_model[1], cuda_graph_sizes="1,2,4,8", async_scheduling=True)
-    assert info["replays"], "decode steps must replay graphs"
+    overlapped, info = run(tiny_model[0], tiny_model[1], cuda_graph_sizes="1,2,4,8", async_scheduling=True,
+                           piecewise_cuda_graph_sizes="16,256")
+    assert info["replays"] and info["piecewise_replays"], "decode steps must replay graphs, the prefill pieces"
     assert info["overlapped_steps"] > 0, "no step was launched while another ran"
     for i, (a, b) in enumerate(zip(eager, overlapped)):
         assert a == b, f"prompt {i}: async scheduling diverged from eager at token {first_difference(a, b)}"
@@ -93,8 +137,8 @@ def test_torch_compile_gives_the_eager_tokens_with_and_without_graphs(tiny_qwen3
     folder, prompts = tiny_qwen3
     eager, _ = run(folder, prompts, enforce_eager=True)
     compiled, _ = run(folder, prompts, enforce_eager=True, compilation_level=1)
-    both, info = run(folder, prompts, compilation_level=1, cuda_graph_sizes="8")
-    assert info["replays"], "decode steps must replay graphs"
+    both, info = run(folder, prompts, compilation_level=1, cuda_graph_sizes="8", piecewise_cuda_graph_sizes="256")
+    assert info["replays"] and info["piecewise_replays"] == [256], "decodes replay full graphs, the prefill pieces"
     for name, tokens in [("torch.compile", compiled), ("torch.compile + CUDA graphs", both)]:
         for i, (a, b) in enumerate(zip(eager, tokens)):
             assert a == b, f"prompt {i}: {name} diverged from eager at token {first_difference(a, b)}"

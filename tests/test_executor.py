@@ -94,6 +94,39 @@ def test_cuda_graph_sizes_parse_from_the_command_line(tiny_qwen3):
         EngineArgs(str(folder), device="cpu", compilation_level=3).create_engine_config()
 
 
+
+def test_cudagraph_mode_and_piecewise_sizes_are_checked(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    config = EngineArgs(str(folder), device="cpu", piecewise_cuda_graph_sizes="64,16").create_engine_config()
+    cc = config.compilation_config
+    assert cc.piecewise_cuda_graph_sizes == [16, 64] and cc.cudagraph_mode == "full_and_piecewise"
+    assert cc.full_decode_graphs and cc.piecewise_graphs
+    eager = EngineArgs(str(folder), device="cpu", enforce_eager=True).create_engine_config().compilation_config
+    assert not eager.full_decode_graphs and not eager.piecewise_graphs, "enforce_eager captures nothing"
+    decode_only = EngineArgs(str(folder), device="cpu", cudagraph_mode="full_decode_only").create_engine_config()
+    assert decode_only.compilation_config.full_decode_graphs and not decode_only.compilation_config.piecewise_graphs
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        EngineArgs(str(folder), device="cpu", cudagraph_mode="full").create_engine_config()
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_sizes"):
+        EngineArgs(str(folder), device="cpu", piecewise_cuda_graph_sizes="0,16").create_engine_config()
+
+
+def test_the_piecewise_ladder_pads_by_less_than_a_quarter_above_256():
+    from minivllm.executor.cuda_graphs import padded_batch_size, piecewise_capture_sizes
+
+    sizes = piecewise_capture_sizes(8192)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    assert [n for n in sizes if 256 < n <= 1024] == [320, 384, 448, 512, 640, 768, 896, 1024]
+    for num_tokens in range(1, 8193):
+        size = padded_batch_size(num_tokens, sizes)
+        assert size is not None and size >= num_tokens
+        if num_tokens > 256:
+            assert size - num_tokens < num_tokens / 4, f"{num_tokens} tokens pad to {size}"
+    assert piecewise_capture_sizes(100)[-1] == 100, "the step budget is always a size"
+    assert piecewise_capture_sizes(3000)[-2:] == [2560, 3000]
+    assert piecewise_capture_sizes(64, requested=[8, 512, 32]) == [8, 32], "sizes past the budget are never used"
+
+
 # -- memory sizing ------------------------------------------------------------------------------
 
 
@@ -169,6 +202,41 @@ def test_padded_decode_batches_give_the_same_tokens(tiny_qwen3):
     runner.cuda_graphs.capture()
     assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding rows must not change any request's tokens"
     assert 8 in EagerPaddedRunner.replays, "5 decodes should have run padded to 8"
+
+
+@pytest.mark.slow
+def test_padded_piecewise_steps_give_the_same_tokens(tiny_qwen3):
+    """Steps padded to a piecewise size, attention told of the real tokens only.
+
+    The CPU has no graphs: the stand-in runs the padded forward pass eagerly with the step's
+    own metadata, as the pieces and the eager attention between them do on the GPU.
+    """
+    from minivllm.executor import cuda_graphs
+    from minivllm.forward_context import set_forward_context
+
+    folder, prompts = tiny_qwen3
+    common = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", attention_backend="triton",
+                  num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=48)
+    expected = greedy_tokens(LLM(str(folder), **common), prompts, max_tokens=6)
+
+    class EagerPaddedPieces(cuda_graphs.PiecewiseCudaGraphRunner):
+        replays: list[tuple[int, int]] = []
+
+        def capture(self) -> None:
+            pass
+
+        def replay(self, size: int, meta):
+            self.replays.append((size, meta.num_actual_tokens))
+            with set_forward_context(meta):
+                return self.forward(self.input_ids[:size], self.positions[:size])
+
+    llm = LLM(str(folder), **common)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    runner.piecewise_graphs = EagerPaddedPieces(runner.forward, [16, 64], runner.input_ids.gpu, runner.positions.gpu,
+                                                None, None)
+    assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding tokens must not change any request's tokens"
+    assert (64, 48) in EagerPaddedPieces.replays, "48-token chunked steps should have run padded to 64"
+    assert (16, 5) in EagerPaddedPieces.replays, "5 decodes should have run padded to 16"
 
 
 @pytest.mark.slow

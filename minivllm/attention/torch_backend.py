@@ -63,10 +63,12 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        output: torch.Tensor | None = None,  # where to write; rows past num_actual_tokens untouched
     ) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
         reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, meta.slot_mapping)
-        output = torch.empty_like(query)
+        if output is None:
+            output = torch.empty_like(query)
         if meta.num_decodes > 0:
             output[: meta.num_decodes] = self._decode(query[: meta.num_decodes], kv_cache, meta, scale)
         for i in range(meta.num_decodes, meta.num_reqs):

@@ -31,11 +31,13 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         call = self.kernels.call_kernel
         n = meta.num_actual_tokens
         call("reshape_and_cache", key[:n], value[:n], kv_cache, meta.slot_mapping)
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the caller needs
+        if output is None:  # contiguous, as the caller needs; piecewise graphs pass a fixed buffer
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         d = meta.num_decodes  # decode requests come first, one token each
         if d > 0:  # written straight into the output's first rows (no copy kernel)
             call(
@@ -55,9 +57,9 @@ class TritonAttentionBackend:
                 meta.backend_cache["prefill_block_tables"] = self.kernels.aligned(meta.block_tables[d:])
                 meta.backend_cache["prefill_seq_lens"] = self.kernels.aligned(meta.seq_lens[d:])
             cache = meta.backend_cache
-            output[d:n] = call(
+            call(
                 "paged_prefill_attention", query[d:n], kv_cache, cache["prefill_block_tables"], cache["prefill_seq_lens"],
-                cache["prefill_query_start_loc"], scale, tiles=cache["prefill_tiles"],
+                cache["prefill_query_start_loc"], scale, tiles=cache["prefill_tiles"], out=output[d:n],
             )
         return output
     # --8<-- [end:triton-attention-forward]

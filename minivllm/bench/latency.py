@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--compilation-level", type=int, default=0)
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
+                        help="none | full_decode_only | piecewise | full_and_piecewise (chapter 05)")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n runs")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine_kwargs = dict(
         skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
         enforce_eager=args.enforce_eager, compilation_level=args.compilation_level,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        cudagraph_mode=args.cudagraph_mode, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=False,  # repeated prompts must be computed again, not found
     )
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _mode(args: argparse.Namespace) -> str:
-    mode = "eager" if args.enforce_eager else "cuda-graphs"
+    mode = "eager" if args.enforce_eager or args.cudagraph_mode == "none" else args.cudagraph_mode
     return mode + ("+compile" if args.compilation_level else "") + ("+async" if args.async_scheduling else "")
 
 

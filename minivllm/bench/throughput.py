@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compilation-level", type=int, default=0)
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
+                        help="none | full_decode_only | piecewise | full_and_piecewise (chapter 05)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n runs")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -186,7 +188,7 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
     engine_kwargs = dict(
         skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         compilation_level=args.compilation_level, max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        cudagraph_mode=args.cudagraph_mode, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling,
     )
     if args.model is None:
@@ -211,6 +213,7 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
     kernel_compiles = num_kernel_variants() - compiles_before
     worker = getattr(core.executor, "worker", None)
     graphs = worker.model_runner.cuda_graphs if worker is not None else None
+    pieces = worker.model_runner.piecewise_graphs if worker is not None else None
     return {
         "engine": "minivllm",
         "model": args.model or args.shape,
@@ -229,6 +232,9 @@ def minivllm_throughput(model: str, args: argparse.Namespace) -> dict:
         "cuda_graphs": graphs is not None,
         "cuda_graph_capture_seconds": getattr(graphs, "capture_seconds", None),
         "cuda_graph_capture_GiB": (graphs.capture_bytes / 2**30) if graphs is not None else None,
+        "cudagraph_mode": config.compilation_config.cudagraph_mode,
+        "piecewise_capture_seconds": getattr(pieces, "capture_seconds", None),
+        "piecewise_capture_GiB": (pieces.capture_bytes / 2**30) if pieces is not None else None,
         "memory_profile": worker.memory_profile if worker is not None else None,
         "compilation_level": args.compilation_level,
         "async_scheduling": args.async_scheduling,

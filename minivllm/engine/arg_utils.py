@@ -54,7 +54,9 @@ class EngineArgs:
     attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # no CUDA graphs
     compilation_level: int = 0  # 0: eager PyTorch; 1: torch.compile
+    cudagraph_mode: str = "full_and_piecewise"  # "none" | "full_decode_only" | "piecewise" | "full_and_piecewise"
     cuda_graph_sizes: str | None = None  # decode batch sizes to capture, "1,2,4,8"; None: the default ladder
+    piecewise_cuda_graph_sizes: str | None = None  # token counts to capture piecewise; None: the default ladder
     distributed_executor_backend: str | None = None  # "uni" | "mp" (one worker process per rank)
 # --8<-- [end:engine-args]
 
@@ -108,7 +110,9 @@ class EngineArgs:
             compilation_config=CompilationConfig(
                 level=self.compilation_level,
                 enforce_eager=self.enforce_eager,
-                cuda_graph_sizes=_parse_sizes(self.cuda_graph_sizes),
+                cudagraph_mode=self.cudagraph_mode,
+                cuda_graph_sizes=_parse_sizes(self.cuda_graph_sizes, "cuda_graph_sizes"),
+                piecewise_cuda_graph_sizes=_parse_sizes(self.piecewise_cuda_graph_sizes, "piecewise_cuda_graph_sizes"),
             ),
         )
 
@@ -146,14 +150,14 @@ class AsyncEngineArgs(EngineArgs):
     """`EngineArgs` for `AsyncLLM`, as vLLM names them; the same fields (chapter 02)."""
 
 
-def _parse_sizes(sizes: str | list[int] | None) -> list[int] | None:
+def _parse_sizes(sizes: str | list[int] | None, name: str) -> list[int] | None:
     """`--cuda-graph-sizes 1,2,4,8` (or a list from Python) → [1, 2, 4, 8]."""
     if sizes is None or isinstance(sizes, list):
         return sizes
     try:
         return [int(n) for n in str(sizes).split(",") if n.strip()]
     except ValueError as err:
-        raise ValueError(f"cuda_graph_sizes must be comma-separated integers, got {sizes!r}") from err
+        raise ValueError(f"{name} must be comma-separated integers, got {sizes!r}") from err
 
 
 def resolve_model_path(model: str | None) -> Path:

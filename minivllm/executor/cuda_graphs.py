@@ -1,10 +1,10 @@
-"""CUDA graphs for decode steps: capture the forward pass once per batch size, replay it.
+"""CUDA graphs: capture the forward pass once per size, replay it.
 
-A decode step of a small model is mostly *launch overhead*: Qwen3-0.6B runs about ten kernels
-per layer, 28 layers, each taking the host a few microseconds to launch, while the GPU
-finishes many of them faster than that. A CUDA graph records the whole sequence of launches
-once; replaying it is one launch. The catch: a graph replays exactly what it recorded — the
-same kernels, the same tensor addresses, the same grid sizes. So:
+A step of a small model is mostly *launch overhead*: Qwen3-0.6B runs about ten kernels per
+layer, 28 layers, each taking the host a few microseconds to launch, while the GPU finishes
+many of them faster than that. A CUDA graph records the whole sequence of launches once;
+replaying it is one launch. The catch: a graph replays exactly what it recorded — the same
+kernels, the same tensor addresses, the same grid sizes. So:
 
   * every input lives in a buffer that never moves (the model runner's device buffers); a
     step copies its data into them before the replay;
@@ -15,9 +15,20 @@ same kernels, the same tensor addresses, the same grid sizes. So:
     kernel splits the context by the longest sequence it may meet, so capture passes
     `max_model_len` as that bound.
 
-Only decode-only steps replay graphs (the design nano-vllm uses; vLLM also captures mixed
-batches piecewise). Prefill steps run eagerly: they are large enough that launches are a
-small share of their time. Chapter 05 (executor & worker) explains it with measurements.
+Two kinds of graphs, as vLLM's `cudagraph_mode=FULL_AND_PIECEWISE`:
+
+  * *full* graphs (`CudaGraphRunner`) hold the whole forward pass of a decode-only batch,
+    attention included: its layout (one query token per request) is the same every step;
+  * *piecewise* graphs (`PiecewiseCudaGraphRunner`) serve every other step. Attention over a
+    mix of prefills and decodes depends on host-side facts that change every step (how many
+    prompts, how long, which tiles the prefill kernel runs), so it cannot be frozen into a
+    graph. Everything else — projections, norms, RoPE, the MLP — depends only on the number
+    of tokens. So the forward pass is cut at each attention call: the pieces between two
+    attention calls are captured per token count, and a replay runs piece 0, attention of
+    layer 0 (eagerly, with the step's real metadata), piece 1, ... A 28-layer model is 29
+    graph replays and 28 eager attention calls instead of ~300 eager launches.
+
+Chapter 05 (executor & worker) explains both with measurements.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.forward_context import set_forward_context
+from minivllm.models.layers.attention import Attention
 
 logger = logging.getLogger("minivllm")
 
@@ -74,6 +86,7 @@ class CudaGraphRunner:
         make_decode_metadata: Callable[[int], AttentionMetadata],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        pool: tuple | None = None,
     ) -> None:
         self.forward = forward
         self.capture_sizes = capture_sizes
@@ -82,6 +95,7 @@ class CudaGraphRunner:
         self.positions = positions
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool  # a memory pool shared with the piecewise graphs (never replayed at once)
 
     # --8<-- [start:capture]
     @torch.inference_mode()
@@ -90,7 +104,7 @@ class CudaGraphRunner:
         device = self.input_ids.device
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.capture_sizes):
             meta = self.make_decode_metadata(size)
             with set_forward_context(meta):
@@ -119,3 +133,157 @@ class CudaGraphRunner:
         """Run the size-`size` graph on what is in the buffers now; its hidden states."""
         self.graphs[size].replay()
         return self.outputs[size]
+
+
+# --8<-- [start:piecewise-sizes]
+def piecewise_capture_sizes(max_num_tokens: int, requested: list[int] | None = None) -> list[int]:
+    """The token counts to capture piecewise: `requested`, or a ladder up to max_num_tokens.
+
+    1, 2, 4, 8 and every 16 up to 256, like the decode ladder; above that four sizes per
+    doubling (320, 384, 448, 512, 640, ...), so a step pads by less than a quarter of its
+    tokens where padding costs compute. The step budget itself is always a size.
+    """
+    if requested is not None:
+        return sorted(n for n in set(requested) if n <= max_num_tokens)
+    sizes = [n for n in (1, 2, 4, 8) if n <= max_num_tokens] + list(range(16, min(256, max_num_tokens) + 1, 16))
+    base = 256
+    while base < max_num_tokens:
+        sizes += [n for n in range(base + base // 4, 2 * base + 1, base // 4) if n <= max_num_tokens]
+        base *= 2
+    if sizes[-1] != max_num_tokens:
+        sizes.append(max_num_tokens)
+    return sizes
+# --8<-- [end:piecewise-sizes]
+
+
+def unowned_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over `tensor`'s memory that does not keep that memory allocated.
+
+    A piece's outputs that attention reads (q, k, v) live in the graphs' memory pool. Held
+    normally, they would stay allocated for as long as the graphs live, and every captured
+    size would keep 28 layers' worth of them. Released, their memory goes back to the pool and
+    later pieces may reuse it — which is safe, because a replay runs in the order the capture
+    ran: attention reads q, k, v before the next piece can overwrite them. (vLLM calls these
+    weak references.) The CUDA array interface describes memory without owning it; an integer
+    type of the same width stands in for dtypes it has no name for (bfloat16).
+    """
+    width = tensor.element_size()
+
+    class _Memory:  # what torch.as_tensor reads: the address, shape and byte strides
+        __cuda_array_interface__ = {
+            "data": (tensor.data_ptr(), False),
+            "shape": tuple(tensor.shape),
+            "strides": tuple(stride * width for stride in tensor.stride()),
+            "typestr": {1: "|i1", 2: "<i2", 4: "<i4", 8: "<i8"}[width],
+            "version": 3,
+        }
+
+    return torch.as_tensor(_Memory(), device=tensor.device).view(tensor.dtype)
+
+
+# --8<-- [start:piecewise-capture]
+class PiecewiseCapture:
+    """Set in the forward context while one size's pieces run: attention calls land here.
+
+    With `pool` None it is a dry run: attention is skipped and nothing is recorded (the
+    allocator settles, cuBLAS sets up its workspace). With a pool, each attention call ends
+    the graph being captured, records which layer attends over which q, k, v, and begins the
+    next graph; the layer gets back the fixed output buffer the next piece reads.
+    """
+
+    def __init__(self, attn_output: torch.Tensor, pool: tuple | None) -> None:
+        self.attn_output = attn_output  # [max tokens, num_heads * head_dim], filled at replay
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.attention_calls: list[tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def begin_piece(self) -> None:
+        if self.pool is not None:
+            self.graphs.append(torch.cuda.CUDAGraph())
+            self.graphs[-1].capture_begin(pool=self.pool)
+
+    def end_piece(self) -> None:
+        if self.pool is not None:
+            self.graphs[-1].capture_end()
+
+    def split_at(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        if self.pool is not None:
+            self.end_piece()
+            self.attention_calls.append((layer, unowned_view(q), unowned_view(k), unowned_view(v)))
+            self.begin_piece()
+        return self.attn_output[:num_tokens]
+# --8<-- [end:piecewise-capture]
+
+
+class PiecewiseCudaGraphRunner:
+    """Captured pieces of the forward pass, per token count, with attention between them."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        capture_sizes: list[int],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_output: torch.Tensor,
+        pool: tuple,
+    ) -> None:
+        self.forward = forward
+        self.capture_sizes = capture_sizes
+        self.input_ids = input_ids
+        self.positions = positions
+        self.attn_output = attn_output
+        self.pool = pool
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.attention_calls: dict[int, list[tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    # --8<-- [start:piecewise-capture-loop]
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record each size's pieces, largest first, all sizes sharing one memory pool."""
+        device = self.input_ids.device
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        stream = torch.cuda.Stream(device)  # graphs cannot be captured on the default stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for size in reversed(self.capture_sizes):
+                ids, pos = self.input_ids[:size], self.positions[:size]
+                with set_forward_context(None, PiecewiseCapture(self.attn_output, pool=None)):
+                    self.forward(ids, pos)  # the dry run
+                capture = PiecewiseCapture(self.attn_output, self.pool)
+                with set_forward_context(None, capture):
+                    capture.begin_piece()
+                    self.outputs[size] = self.forward(ids, pos)
+                    capture.end_piece()
+                self.pieces[size] = capture.graphs
+                self.attention_calls[size] = capture.attention_calls
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info(
+            "captured piecewise CUDA graphs for %d token counts (%d..%d), %d pieces each, in %.1f s, using %.2f GiB",
+            len(self.pieces), self.capture_sizes[0], self.capture_sizes[-1], len(next(iter(self.pieces.values()))),
+            self.capture_seconds, self.capture_bytes / 2**30,
+        )
+    # --8<-- [end:piecewise-capture-loop]
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        return padded_batch_size(num_tokens, self.capture_sizes)
+
+    # --8<-- [start:piecewise-replay]
+    def replay(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Run the size-`size` pieces on what is in the buffers now, attention between them.
+
+        `meta` is the step's own metadata: `num_actual_tokens` real tokens, the rest of the
+        `size` rows padding that attention neither caches nor reads.
+        """
+        pieces = self.pieces[size]
+        pieces[0].replay()
+        for (layer, q, k, v), piece in zip(self.attention_calls[size], pieces[1:]):
+            layer.attend(q, k, v, meta, output=self.attn_output[:size].view(q.shape))
+            piece.replay()
+        return self.outputs[size]
+    # --8<-- [end:piecewise-replay]

@@ -23,7 +23,12 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.executor.cuda_graphs import CudaGraphRunner, cuda_graph_capture_sizes
+from minivllm.executor.cuda_graphs import (
+    CudaGraphRunner,
+    PiecewiseCudaGraphRunner,
+    cuda_graph_capture_sizes,
+    piecewise_capture_sizes,
+)
 from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch, flatten_batch
 from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
@@ -83,7 +88,8 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # indices into req_ids of the requests sampled this step
     logits_indices: torch.Tensor  # [len(sample_rows)]: the token whose hidden state is sampled
-    graph_size: int | None  # a captured decode size to replay, or None to run eagerly
+    graph_size: int | None  # a captured decode size to replay, or None
+    piecewise_size: int | None  # else a token count whose pieces to replay, or None to run eagerly
 
 
 @dataclass
@@ -142,6 +148,7 @@ class ModelRunner:
         self.forward = None  # the model's forward, or its torch.compile'd version
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseCudaGraphRunner | None = None
         # Recorded after each step's host-to-device copies; a step with no token to sample
         # never syncs, so the next one waits on this before reusing the pinned buffers.
         self.inputs_copied: torch.cuda.Event | None = None
@@ -250,21 +257,36 @@ class ModelRunner:
                                            max_seq_len=splits * block_n, num_splits=splits, block_n=block_n)
     # --8<-- [end:warm-up]
 
+    # --8<-- [start:capture-cuda-graphs]
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs, if this device and configuration use them."""
+        """Capture the graphs `cudagraph_mode` asks for, if this device and backend use them."""
         cc = self.config.compilation_config
-        if self.device.type != "cuda" or cc.enforce_eager:
+        if self.device.type != "cuda" or not (cc.full_decode_graphs or cc.piecewise_graphs):
             return
         if self.config.attention_backend != "triton":
             # The torch reference backend writes padded rows' K/V to slot -1 (the cache's last
             # slot) and sizes its gather from host values: it is for reading, not for graphs.
             logger.info("CUDA graphs need the triton attention backend; running eagerly")
             return
-        sizes = cuda_graph_capture_sizes(self.max_num_reqs, cc.cuda_graph_sizes)
-        self.cuda_graphs = CudaGraphRunner(
-            self.forward, sizes, self._graph_metadata, self.input_ids.gpu, self.positions.gpu
-        )
-        self.cuda_graphs.capture()
+        pool = torch.cuda.graph_pool_handle()  # one pool: no two graphs ever run at once
+        if cc.piecewise_graphs:
+            sizes = piecewise_capture_sizes(self.input_ids.gpu.shape[0], cc.piecewise_cuda_graph_sizes)
+            if sizes:
+                layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+                attn_output = torch.zeros(
+                    sizes[-1], layer.num_heads * layer.head_dim, dtype=self.config.model_config.dtype, device=self.device
+                )
+                self.piecewise_graphs = PiecewiseCudaGraphRunner(
+                    self.forward, sizes, self.input_ids.gpu, self.positions.gpu, attn_output, pool
+                )
+                self.piecewise_graphs.capture()
+        if cc.full_decode_graphs:
+            sizes = cuda_graph_capture_sizes(self.max_num_reqs, cc.cuda_graph_sizes)
+            self.cuda_graphs = CudaGraphRunner(
+                self.forward, sizes, self._graph_metadata, self.input_ids.gpu, self.positions.gpu, pool
+            )
+            self.cuda_graphs.capture()
+    # --8<-- [end:capture-cuda-graphs]
 
     def _graph_metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the device buffers for a captured batch of `size` requests."""
@@ -307,6 +329,8 @@ class ModelRunner:
         step = self._prepare_inputs(scheduler_output)
         if step.graph_size is not None:
             hidden_states = self.cuda_graphs.replay(step.graph_size)
+        elif step.piecewise_size is not None:
+            hidden_states = self.piecewise_graphs.replay(step.piecewise_size, step.attn_metadata)
         else:
             with set_forward_context(step.attn_metadata):
                 hidden_states = self.forward(self.input_ids.gpu[: step.num_tokens], self.positions.gpu[: step.num_tokens])
@@ -423,10 +447,17 @@ class ModelRunner:
                 positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes],
                 self.last_sampled.index,
             )
-        graph_size = None
+        graph_size = piecewise_size = None
         if self.cuda_graphs is not None and num_decodes == num_reqs:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
+        if graph_size is None and self.piecewise_graphs is not None:
+            piecewise_size = self.piecewise_graphs.padded_size(num_tokens)
         n = num_tokens
+        if piecewise_size is not None:
+            # Padded tokens run through the pieces (token 0 at position 0) and are then
+            # dropped; attention is told only of the real ones (num_actual_tokens below).
+            self.input_ids.np[n:piecewise_size] = 0
+            self.positions.np[n:piecewise_size] = 0
         if graph_size is not None:
             # Padded rows: a write-nothing slot, a one-token context in block 0, one query token.
             self.input_ids.np[n:graph_size] = 0
@@ -450,8 +481,8 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        input_ids = self.input_ids.copy_to_device(n)
-        self.positions.copy_to_device(n)
+        input_ids = self.input_ids.copy_to_device(piecewise_size or n)
+        self.positions.copy_to_device(piecewise_size or n)
         if len(pending):
             # Decodes come first, one token each: request i's input is token i. The gather
             # runs on the device, after the previous step's sampler, in stream order.
@@ -465,7 +496,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.inputs_copied = torch.cuda.Event()
             self.inputs_copied.record()
-        return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_indices_gpu, graph_size)
+        return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_indices_gpu, graph_size, piecewise_size)
     # --8<-- [end:prepare-inputs]
 
 

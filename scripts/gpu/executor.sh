@@ -6,7 +6,8 @@
 #   MINIVLLM_COMMIT=$(git rev-parse --short HEAD) PARTS="tests qwen llama latq latl parity" scripts/gpu/executor.sh
 # Other parts: qwen-graphs llama-graphs qwen-eager async profile profile-async profile-llama
 # kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests
-# profile-eager (where an eager step's ~15 ms of host time goes).
+# profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
+# with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -59,6 +60,11 @@ for part in $PARTS; do
     kprofile)  # the GPU kernels of a decode graph replay, both shapes, batch 1 and 256
       for shape in qwen3-0.6b llama-3.2-1b; do
         timeout 180 python3 scripts/gpu/kernel_profile.py --shape $shape --batch 1 --batch 256 --json "$OUT/kernels-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+      done ;;
+    piecewise)  # prefill steps as piecewise graphs vs eager (cudagraph_mode full_decode_only)
+      for mode in full_and_piecewise full_decode_only; do
+        timeout 150 python3 scripts/gpu/step_profile.py --workload one-prompt --caching off --top 12 --cudagraph-mode $mode 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+        bench "latency-qwen3-0.6b-$mode" latency --shape qwen3-0.6b --batch-sizes 1,16,64 --output-len 16 --num-iters 3 --async-scheduling --cudagraph-mode $mode
       done ;;
     profile-eager)  # an eager step (one 128-token prompt): the host's launches, by function
       timeout 150 python3 scripts/gpu/step_profile.py --workload one-prompt --caching off --top 30 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG" ;;

@@ -6,7 +6,8 @@
 `prefill`: 200 unique 640-token prompts, 10 output tokens each (the prefix-caching benchmark's
 0 %-hit workload); `decode`: `--batch` 16-token prompts decoding `--tokens` tokens;
 `one-prompt` (with `--caching off`): one 128-token prompt generating one token, 20 times, so
-every step is one small eager step, the kind a server runs whenever a request arrives.
+every step is one small prefill step, the kind a server runs whenever a request arrives
+(eager with `--cudagraph-mode full_decode_only`, pieces with the default).
 Prints the steps, the seconds, per-part milliseconds per step (`runner.forward` is the host's
 time to launch an eager forward pass: graph replays do not go through it), and the top
 functions by own time.
@@ -35,11 +36,12 @@ parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--top", type=int, default=25)
 parser.add_argument("--async-scheduling", action="store_true")
 parser.add_argument("--shape", default="qwen3-0.6b", help="a shape of minivllm/bench/shapes.py, e.g. llama-3.2-1b")
+parser.add_argument("--cudagraph-mode", default="full_and_piecewise")
 args = parser.parse_args()
 
 model = str(write_shape_folder(args.shape, tempfile.mkdtemp()))
 llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=2048,
-          async_scheduling=args.async_scheduling,
+          cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling,
           enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, max_num_seqs=max(256, args.batch))
 rng = random.Random(0)
 vocab_size = llm.llm_engine.config.model_config.vocab_size
@@ -78,6 +80,8 @@ wrap(core.executor, "execute_model_async", "executor.execute_model_async (launch
 wrap(runner, "_prepare_inputs", "runner._prepare_inputs")
 wrap(runner, "_finish_step", "runner._finish_step (waits for the tokens)")
 wrap(runner, "forward", "runner.forward (eager launches)")
+if runner.piecewise_graphs is not None:
+    wrap(runner.piecewise_graphs, "replay", "piecewise replay (pieces + eager attention)")
 wrap(llm.llm_engine.output_processor, "process_outputs", "output_processor.process_outputs")
 
 

@@ -3,7 +3,10 @@
 The layer itself is thin. The model runner binds each layer to its slice of the KV cache
 (`kv_cache`) and to the chosen backend (`impl`) at start-up; every forward pass reads the
 step's `AttentionMetadata` from the forward context. During the dummy run that sizes memory
-there is no cache yet, and the layer does plain causal attention over the batch.
+there is no cache yet, and the layer does plain causal attention over the batch. While
+piecewise CUDA graphs are captured, attention is where one graph ends and the next begins
+(chapter 05): the layer hands its q, k, v to the capture and returns a fixed output buffer
+that the replay fills by calling `attend` between the graphs.
 Chapter 06 (attention backends).
 """
 
@@ -31,12 +34,21 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        meta = get_forward_context().attn_metadata
+        context = get_forward_context()
+        if context.piecewise_capture is not None:  # capturing: the graph breaks here
+            return context.piecewise_capture.split_at(self, q, k, v)
+        meta = context.attn_metadata
         if meta is None:  # dummy run: one causal sequence, nothing cached
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True,
             ).transpose(0, 1)
         else:
-            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale)
+            out = self.attend(q, k, v, meta)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The backend's paged attention over this layer's cache: [num_tokens, num_heads, head_dim]."""
+        return self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, output)
