@@ -18,6 +18,7 @@ import random
 import signal
 
 import pytest
+import torch
 
 from conftest import TEST_DEVICE
 from hf_reference import make_tiny_model
@@ -206,18 +207,32 @@ def test_padded_decode_batches_give_the_same_tokens(tiny_qwen3):
 
 @pytest.mark.slow
 def test_padded_piecewise_steps_give_the_same_tokens(tiny_qwen3):
-    """Steps padded to a piecewise size, attention told of the real tokens only.
+    """Steps padded to a piecewise size: K/V written through the padded slot buffer (-1 rows
+    skipped), attention told of the real tokens only, its output in the fixed buffer.
 
-    The CPU has no graphs: the stand-in runs the padded forward pass eagerly with the step's
-    own metadata, as the pieces and the eager attention between them do on the GPU.
+    The CPU has no graphs: the stand-in runs the pieces eagerly and, at each attention call,
+    does what a replay does there — the piece's cache write over the slot buffer, then the
+    layer's attention with K/V None into the fixed output buffer that the next piece reads.
     """
     from minivllm.executor import cuda_graphs
     from minivllm.forward_context import set_forward_context
+    from minivllm.models.layers.attention import Attention
 
     folder, prompts = tiny_qwen3
     common = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", attention_backend="triton",
                   num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=48)
     expected = greedy_tokens(LLM(str(folder), **common), prompts, max_tokens=6)
+
+    class EagerSplit:
+        def __init__(self, meta, slot_mapping: torch.Tensor, attn_output: torch.Tensor) -> None:
+            self.meta, self.slot_mapping, self.attn_output = meta, slot_mapping, attn_output
+
+        def split_at(self, layer, q, k, v):
+            num_tokens = q.shape[0]
+            layer.write_kv(k, v, self.slot_mapping[:num_tokens])  # inside the piece on the GPU
+            out = self.attn_output[:num_tokens]
+            layer.attend(q, None, None, self.meta, output=out.view(q.shape))
+            return out
 
     class EagerPaddedPieces(cuda_graphs.PiecewiseCudaGraphRunner):
         replays: list[tuple[int, int]] = []
@@ -227,13 +242,16 @@ def test_padded_piecewise_steps_give_the_same_tokens(tiny_qwen3):
 
         def replay(self, size: int, meta):
             self.replays.append((size, meta.num_actual_tokens))
-            with set_forward_context(meta):
+            assert (self.slot_mapping[meta.num_actual_tokens : size] == -1).all(), "padded tokens must write nothing"
+            with set_forward_context(meta, EagerSplit(meta, self.slot_mapping, self.attn_output)):
                 return self.forward(self.input_ids[:size], self.positions[:size])
 
     llm = LLM(str(folder), **common)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    attn_output = torch.full((64, layer.num_heads * layer.head_dim), float("nan"))  # rows never written stay NaN
     runner.piecewise_graphs = EagerPaddedPieces(runner.forward, [16, 64], runner.input_ids.gpu, runner.positions.gpu,
-                                                None, None)
+                                                runner.slot_mapping.gpu, attn_output, None)
     assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding tokens must not change any request's tokens"
     assert (64, 48) in EagerPaddedPieces.replays, "48-token chunked steps should have run padded to 64"
     assert (16, 5) in EagerPaddedPieces.replays, "5 decodes should have run padded to 16"

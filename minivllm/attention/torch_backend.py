@@ -58,15 +58,16 @@ class TorchAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         output: torch.Tensor | None = None,  # where to write; rows past num_actual_tokens untouched
     ) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
-        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, meta.slot_mapping)
+        if key is not None:  # None: this step's K/V are in the cache already (a piecewise graph wrote them)
+            self.write_kv(key[:num_tokens], value[:num_tokens], kv_cache, meta.slot_mapping)
         if output is None:
             output = torch.empty_like(query)
         if meta.num_decodes > 0:
@@ -76,6 +77,10 @@ class TorchAttentionBackend:
             output[start:end] = self._prefill(query[start:end], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale)
         return output
     # --8<-- [end:torch-attention-forward]
+
+    @staticmethod
+    def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
 
     # --8<-- [start:torch-prefill]
     # exercise[ch04-prefill-attention]: gather_kv the context; query j is at position seq_len - query_len + j, sees keys <= it; SDPA, enable_gqa

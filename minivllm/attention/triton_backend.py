@@ -26,8 +26,8 @@ class TritonAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -35,14 +35,15 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         call = self.kernels.call_kernel
         n = meta.num_actual_tokens
-        call("reshape_and_cache", key[:n], value[:n], kv_cache, meta.slot_mapping)
+        if key is not None:  # None: this step's K/V are in the cache already (a piecewise graph wrote them)
+            self.write_kv(key[:n], value[:n], kv_cache, meta.slot_mapping)
         if output is None:  # contiguous, as the caller needs; piecewise graphs pass a fixed buffer
             output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         d = meta.num_decodes  # decode requests come first, one token each
         if d > 0:  # written straight into the output's first rows (no copy kernel)
             call(
                 "paged_decode_attention", query[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                max_seq_len=max(meta.seq_lens_cpu[:d]), out=output[:d],
+                max_seq_len=self._longest_decode(meta), out=output[:d],
             )
         if d < meta.num_reqs:
             if "prefill_tiles" not in meta.backend_cache:  # the same for every layer of this step
@@ -63,3 +64,13 @@ class TritonAttentionBackend:
             )
         return output
     # --8<-- [end:triton-attention-forward]
+
+    @staticmethod
+    def _longest_decode(meta: AttentionMetadata) -> int:
+        if "decode_max_seq_len" not in meta.backend_cache:  # the same for every layer of this step
+            meta.backend_cache["decode_max_seq_len"] = max(meta.seq_lens_cpu[: meta.num_decodes])
+        return meta.backend_cache["decode_max_seq_len"]
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new K/V into the paged cache; slots of -1 are skipped."""
+        self.kernels.call_kernel("reshape_and_cache", key, value, kv_cache, slot_mapping)

@@ -23,10 +23,12 @@ Two kinds of graphs, as vLLM's `cudagraph_mode=FULL_AND_PIECEWISE`:
     mix of prefills and decodes depends on host-side facts that change every step (how many
     prompts, how long, which tiles the prefill kernel runs), so it cannot be frozen into a
     graph. Everything else — projections, norms, RoPE, the MLP — depends only on the number
-    of tokens. So the forward pass is cut at each attention call: the pieces between two
-    attention calls are captured per token count, and a replay runs piece 0, attention of
-    layer 0 (eagerly, with the step's real metadata), piece 1, ... A 28-layer model is 29
-    graph replays and 28 eager attention calls instead of ~300 eager launches.
+    of tokens — and so does writing the new K/V into the cache, given the slot mapping's
+    fixed buffer. So the forward pass is cut at each attention call: the pieces between two
+    attention calls (the cache write included) are captured per token count, and a replay
+    runs piece 0, attention of layer 0 (eagerly, with the step's real metadata), piece 1, ...
+    A 28-layer model is 29 graph replays and 28 eager attention launches (two when decodes
+    share the step) instead of ~340 eager launches.
 
 Chapter 05 (executor & worker) explains both with measurements.
 """
@@ -187,15 +189,19 @@ class PiecewiseCapture:
 
     With `pool` None it is a dry run: attention is skipped and nothing is recorded (the
     allocator settles, cuBLAS sets up its workspace). With a pool, each attention call ends
-    the graph being captured, records which layer attends over which q, k, v, and begins the
-    next graph; the layer gets back the fixed output buffer the next piece reads.
+    the graph being captured and begins the next. Writing the new K/V into the cache goes
+    into the graph before the cut: it needs only the slot mapping, a fixed buffer whose
+    padded rows hold -1. What is left for the replay to run eagerly is the attention proper,
+    over the cache, for which it records the layer and its queries; the layer gets back the
+    fixed output buffer the next piece reads.
     """
 
-    def __init__(self, attn_output: torch.Tensor, pool: tuple | None) -> None:
+    def __init__(self, attn_output: torch.Tensor, slot_mapping: torch.Tensor, pool: tuple | None) -> None:
         self.attn_output = attn_output  # [max tokens, num_heads * head_dim], filled at replay
+        self.slot_mapping = slot_mapping  # the model runner's device buffer
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.attention_calls: list[tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.attention_calls: list[tuple[Attention, torch.Tensor]] = []
 
     def begin_piece(self) -> None:
         if self.pool is not None:
@@ -209,8 +215,9 @@ class PiecewiseCapture:
     def split_at(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
         if self.pool is not None:
+            layer.write_kv(k, v, self.slot_mapping[:num_tokens])
             self.end_piece()
-            self.attention_calls.append((layer, unowned_view(q), unowned_view(k), unowned_view(v)))
+            self.attention_calls.append((layer, unowned_view(q)))
             self.begin_piece()
         return self.attn_output[:num_tokens]
 # --8<-- [end:piecewise-capture]
@@ -225,6 +232,7 @@ class PiecewiseCudaGraphRunner:
         capture_sizes: list[int],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
         attn_output: torch.Tensor,
         pool: tuple,
     ) -> None:
@@ -232,10 +240,11 @@ class PiecewiseCudaGraphRunner:
         self.capture_sizes = capture_sizes
         self.input_ids = input_ids
         self.positions = positions
+        self.slot_mapping = slot_mapping
         self.attn_output = attn_output
         self.pool = pool
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.attention_calls: dict[int, list[tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.attention_calls: dict[int, list[tuple[Attention, torch.Tensor]]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     # --8<-- [start:piecewise-capture-loop]
@@ -250,9 +259,9 @@ class PiecewiseCudaGraphRunner:
         with torch.cuda.stream(stream):
             for size in reversed(self.capture_sizes):
                 ids, pos = self.input_ids[:size], self.positions[:size]
-                with set_forward_context(None, PiecewiseCapture(self.attn_output, pool=None)):
+                with set_forward_context(None, PiecewiseCapture(self.attn_output, self.slot_mapping, pool=None)):
                     self.forward(ids, pos)  # the dry run
-                capture = PiecewiseCapture(self.attn_output, self.pool)
+                capture = PiecewiseCapture(self.attn_output, self.slot_mapping, self.pool)
                 with set_forward_context(None, capture):
                     capture.begin_piece()
                     self.outputs[size] = self.forward(ids, pos)
@@ -278,12 +287,13 @@ class PiecewiseCudaGraphRunner:
         """Run the size-`size` pieces on what is in the buffers now, attention between them.
 
         `meta` is the step's own metadata: `num_actual_tokens` real tokens, the rest of the
-        `size` rows padding that attention neither caches nor reads.
+        `size` rows padding that attention neither caches (slot -1) nor reads.
         """
         pieces = self.pieces[size]
         pieces[0].replay()
-        for (layer, q, k, v), piece in zip(self.attention_calls[size], pieces[1:]):
-            layer.attend(q, k, v, meta, output=self.attn_output[:size].view(q.shape))
+        for (layer, q), piece in zip(self.attention_calls[size], pieces[1:]):
+            # K/V are None: the piece before wrote them into the cache.
+            layer.attend(q, None, None, meta, output=self.attn_output[:size].view(q.shape))
             piece.replay()
         return self.outputs[size]
     # --8<-- [end:piecewise-replay]

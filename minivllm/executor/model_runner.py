@@ -277,7 +277,7 @@ class ModelRunner:
                     sizes[-1], layer.num_heads * layer.head_dim, dtype=self.config.model_config.dtype, device=self.device
                 )
                 self.piecewise_graphs = PiecewiseCudaGraphRunner(
-                    self.forward, sizes, self.input_ids.gpu, self.positions.gpu, attn_output, pool
+                    self.forward, sizes, self.input_ids.gpu, self.positions.gpu, self.slot_mapping.gpu, attn_output, pool
                 )
                 self.piecewise_graphs.capture()
         if cc.full_decode_graphs:
@@ -454,10 +454,12 @@ class ModelRunner:
             piecewise_size = self.piecewise_graphs.padded_size(num_tokens)
         n = num_tokens
         if piecewise_size is not None:
-            # Padded tokens run through the pieces (token 0 at position 0) and are then
-            # dropped; attention is told only of the real ones (num_actual_tokens below).
+            # Padded tokens run through the pieces (token 0 at position 0), their K/V go
+            # nowhere (slot -1), and attention is told only of the real tokens
+            # (num_actual_tokens below); their rows are dropped.
             self.input_ids.np[n:piecewise_size] = 0
             self.positions.np[n:piecewise_size] = 0
+            self.slot_mapping.np[n:piecewise_size] = -1
         if graph_size is not None:
             # Padded rows: a write-nothing slot, a one-token context in block 0, one query token.
             self.input_ids.np[n:graph_size] = 0
@@ -471,7 +473,7 @@ class ModelRunner:
         seq_lens_cpu = seq_lens.tolist()
         meta = AttentionMetadata(
             num_actual_tokens=n,
-            slot_mapping=self.slot_mapping.copy_to_device(n),
+            slot_mapping=self.slot_mapping.copy_to_device(piecewise_size or n)[:n],
             query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
             seq_lens=self.seq_lens.copy_to_device(num_reqs),
             block_tables=self.block_tables.copy_to_device(num_reqs),

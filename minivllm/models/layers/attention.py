@@ -48,7 +48,14 @@ class Attention(nn.Module):
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, output: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta, output: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The backend's paged attention over this layer's cache: [num_tokens, num_heads, head_dim]."""
+        """The backend's paged attention over this layer's cache: [num_tokens, num_heads, head_dim].
+
+        k and v are written into the cache first, unless None: a piecewise graph wrote them.
+        """
         return self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, output)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's K/V into this layer's cache at `slot_mapping` (-1: skip)."""
+        self.impl.write_kv(k, v, self.kv_cache, slot_mapping)
