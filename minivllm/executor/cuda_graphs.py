@@ -252,6 +252,7 @@ class PiecewiseCudaGraphRunner:
     def capture(self) -> None:
         """Record each size's pieces, largest first, all sizes sharing one memory pool."""
         device = self.input_ids.device
+        torch.cuda.empty_cache()  # measure from the allocator holding no idle blocks
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         stream = torch.cuda.Stream(device)  # graphs cannot be captured on the default stream
@@ -270,6 +271,9 @@ class PiecewiseCudaGraphRunner:
                 self.attention_calls[size] = capture.attention_calls
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
+        # The dry runs' blocks are cached by the allocator, outside the graphs' pool: give them
+        # back, so that what is measured (and kept) is the pool.
+        torch.cuda.empty_cache()
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info(
