@@ -6,7 +6,8 @@ step lays the scheduled tokens of all requests end to end, decode requests first
 and `positions` for the model, and for attention the `slot_mapping` (where each new token's
 K/V go), the block tables and the query/sequence lengths. They are written into pinned host
 buffers and copied without blocking into device buffers that never move — which is also what
-lets a decode step replay a CUDA graph captured over those same buffers (`cuda_graphs.py`).
+lets a step replay CUDA graphs captured over those same buffers (`cuda_graphs.py`: whole
+graphs for decode-only steps, pieces between attention calls for the others).
 Only the rows that finish a prompt or decode are turned into logits and sampled.
 Chapter 05 (executor & worker) explains it; chapter 04 draws the slot mapping.
 """
