@@ -22,7 +22,6 @@ from minivllm.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
     decode_num_splits,
-    decode_tile,
     merge_block_s,
     prefill_block_m,
     prefill_tiles,

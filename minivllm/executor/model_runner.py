@@ -245,7 +245,7 @@ class ModelRunner:
         query = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
         block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
-        block_n, _ = kernels.decode_tile(layer.head_dim)  # the launcher's default tile
+        block_n = 64  # the decode launcher's default tile
         # The most splits a step can use: one sequence of max_model_len tokens.
         most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
         # One split (the partial kernel writes the output itself), then each merge tile size.
