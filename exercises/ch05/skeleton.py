@@ -8,6 +8,7 @@
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
 #   ch05-padded-graph-size      padded_batch_size  (minivllm/executor/cuda_graphs.py)
+#   ch05-piecewise-replay       PiecewiseCudaGraphRunner.replay  (minivllm/executor/cuda_graphs.py)
 #   ch05-flatten-batch          flatten_batch  (minivllm/executor/gpu_input_batch.py)
 #   ch05-inputs-from-last-step  inputs_from_last_step  (minivllm/executor/model_runner.py)
 #   ch05-kv-cache-sizing        num_kv_blocks  (minivllm/executor/worker.py)
@@ -17,6 +18,9 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
 
 
 # exercise[ch05-padded-graph-size]: bisect for the first captured size >= num_reqs; None past the largest
@@ -27,6 +31,25 @@ def padded_batch_size(num_reqs: int, capture_sizes: list[int]) -> int | None:
     extra rows padding; a batch larger than every captured size runs eagerly (None).
     """
     raise NotImplementedError("ch05-padded-graph-size: bisect for the first captured size >= num_reqs; None past the largest")
+
+
+class PiecewiseCudaGraphRunner:
+    """Your methods of `minivllm.executor.cuda_graphs.PiecewiseCudaGraphRunner`; each is set on the real class."""
+
+    # exercise[ch05-piecewise-replay]: replay pieces[0]; then for each (layer, q) and the piece after it: layer.attend(q, None, None, meta, output=attn_output[:size] viewed as q's shape), then that piece; return outputs[size]
+    def replay(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Run the size-`size` pieces on what is in the buffers now, attention between them.
+
+        `self.pieces[size]` holds the captured graphs in order (one more than there are
+        attention layers), `self.attention_calls[size]` the (layer, q) of each cut, q an
+        [size, num_heads, head_dim] view of where the piece before it leaves the queries.
+        Attention runs eagerly with `meta`, the step's own metadata (`num_actual_tokens` real
+        tokens, the rest of the `size` rows padding that attention neither caches nor reads),
+        with K/V None (the piece before wrote them into the cache), into the fixed buffer
+        `self.attn_output` that the next piece reads. Returns `self.outputs[size]`, the last
+        piece's hidden states.
+        """
+        raise NotImplementedError("ch05-piecewise-replay: replay pieces[0]; then for each (layer, q) and the piece after it: layer.attend(q, None, None, meta, output=attn_output[:size] viewed as q's shape), then that piece; return outputs[size]")
 
 
 # exercise[ch05-flatten-batch]: req_index = repeat(arange, num_scheduled); position = num_computed[req_index] + offset inside the request; slot from block_table[req_index, position // block_size]

@@ -287,11 +287,18 @@ class PiecewiseCudaGraphRunner:
         return padded_batch_size(num_tokens, self.capture_sizes)
 
     # --8<-- [start:piecewise-replay]
+    # exercise[ch05-piecewise-replay]: replay pieces[0]; then for each (layer, q) and the piece after it: layer.attend(q, None, None, meta, output=attn_output[:size] viewed as q's shape), then that piece; return outputs[size]
     def replay(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         """Run the size-`size` pieces on what is in the buffers now, attention between them.
 
-        `meta` is the step's own metadata: `num_actual_tokens` real tokens, the rest of the
-        `size` rows padding that attention neither caches (slot -1) nor reads.
+        `self.pieces[size]` holds the captured graphs in order (one more than there are
+        attention layers), `self.attention_calls[size]` the (layer, q) of each cut, q an
+        [size, num_heads, head_dim] view of where the piece before it leaves the queries.
+        Attention runs eagerly with `meta`, the step's own metadata (`num_actual_tokens` real
+        tokens, the rest of the `size` rows padding that attention neither caches nor reads),
+        with K/V None (the piece before wrote them into the cache), into the fixed buffer
+        `self.attn_output` that the next piece reads. Returns `self.outputs[size]`, the last
+        piece's hidden states.
         """
         pieces = self.pieces[size]
         pieces[0].replay()
