@@ -5,8 +5,9 @@
 Chapter 05's offline throughput on the nano-vllm workload, for both shapes, from the JSON that
 `scripts/gpu/executor.sh` wrote in each run (nothing typed in by hand): the first run, the run
 after the kernel warm-up and host-side fixes, the run that compared synchronous steps with
-async scheduling side by side, and the run after fusing kernels (fewer launches per layer); HF transformers' `generate` beside them, and the physical
-bound of the same work as a red line.
+async scheduling side by side, the run after fusing kernels (fewer launches per layer), and
+the run with piecewise CUDA graphs for the prefill steps; HF transformers' `generate` beside
+them, and the physical bound of the same work as a red line.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ BARS = [  # (label, data file, run inside it or None, result name with {shape})
     ("kernel\nwarm-up,\nhost fixes", "executor-h200-2026-12-03-warm-up.json", None, "throughput-{shape}-graphs"),
     ("synchronous\nsteps", "executor-h200-2026-12-03-async.json", "run1|run2", "throughput-{shape}-graphs"),
     ("async\nscheduling", "executor-h200-2026-12-03-async.json", "run1", "throughput-{shape}-async"),
-    ("fewer kernels\n(fused), async", "executor-h200-2026-12-03-fused.json", None, "throughput-{shape}-async"),
+    ("fewer kernels\n(fused),\nasync", "executor-h200-2026-12-03-fused.json", None, "throughput-{shape}-async"),
+    ("piecewise\ngraphs,\nasync", "piecewise-h200-2026-12-03.json", "offline_async_7c5b525", "throughput-{shape}-async"),
     ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
 ]
-COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#616161"]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#616161"]
 FLOOR = "#c62828"
 
 
@@ -46,7 +48,7 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5))
     for ax, (shape, title) in zip(axes, [("qwen3", "Qwen3-0.6B"), ("llama", "Llama-3.2-1B")]):
         values, bound = [], None
         for label, file, runs, name in BARS:
