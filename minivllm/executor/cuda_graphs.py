@@ -161,11 +161,11 @@ def piecewise_capture_sizes(max_num_tokens: int, requested: list[int] | None = N
 def unowned_view(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over `tensor`'s memory that does not keep that memory allocated.
 
-    A piece's outputs that attention reads (q, k, v) live in the graphs' memory pool. Held
-    normally, they would stay allocated for as long as the graphs live, and every captured
-    size would keep 28 layers' worth of them. Released, their memory goes back to the pool and
-    later pieces may reuse it — which is safe, because a replay runs in the order the capture
-    ran: attention reads q, k, v before the next piece can overwrite them. (vLLM calls these
+    The queries a piece leaves for attention live in the graphs' memory pool. Held normally,
+    they would stay allocated for as long as the graphs live, and every captured size would
+    keep 28 layers' worth of them. Released, their memory goes back to the pool and later
+    pieces may reuse it — which is safe, because a replay runs in the order the capture ran:
+    attention reads the queries before the next piece can overwrite them. (vLLM calls these
     weak references.) The CUDA array interface describes memory without owning it; an integer
     type of the same width stands in for dtypes it has no name for (bfloat16).
     """
