@@ -156,7 +156,7 @@ def test_markers_are_found_above_functions_and_methods(tmp_path: Path) -> None:
         '        """Doc."""\n        return torch.zeros(1)\n\n\n# exercise[ch09-add]: a + b\ndef add(a: int, b: int) -> int:\n'
         '    """Add."""\n    return a + b\n'
     ))  # fmt: skip
-    write_source(tmp_path, "kernels/k.py", '# exercise[ch09-kern]: k\ndef kern():\n    """K."""\n')
+    write_source(tmp_path, "minivllm/kernels/k.py", '# exercise[ch09-kern]: k\ndef kern():\n    """K."""\n')
     found = {e.id: e for e in find_exercises(tmp_path)}
     assert (found["ch09-take"].qualname, found["ch09-take"].module) == ("Pool.take", "minivllm.a")
     assert (found["ch09-add"].qualname, found["ch09-add"].hint) == ("add", "a + b")

@@ -1,4 +1,4 @@
-"""The package installs what the code needs: every subpackage listed, kernels/ as minivllm.kernels."""
+"""The package installs what the code needs: every subpackage listed, and no top-level `kernels`."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ def test_every_subpackage_is_listed_in_pyproject():
     }
     missing = sorted(on_disk - listed)
     assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
-    assert config["package-dir"]["minivllm.kernels"] == "kernels"
 
 
-def test_kernels_are_importable_as_minivllm_kernels_only():
+def test_the_kernels_are_minivllm_kernels_and_nothing_is_named_kernels_at_the_top():
+    # A top-level `kernels` folder would shadow the PyPI package `kernels`, which transformers
+    # imports (when it is installed) as soon as a model config is read, whenever the checkout's
+    # root is on sys.path, as with `python -m pytest` run from it.
     kernels = importlib.import_module("minivllm.kernels")
-    assert Path(kernels.__file__).resolve().parent == ROOT / "kernels"
+    assert Path(kernels.__file__).resolve().parent == ROOT / "minivllm" / "kernels"
     assert isinstance(kernels.KERNELS, dict)
-    assert importlib.util.find_spec("kernels") is None or "minivllm" not in str(importlib.util.find_spec("kernels").origin), (
-        "kernels/ must not be installed as a top-level package named `kernels`"
-    )
+    assert not (ROOT / "kernels").exists(), "no top-level kernels/ folder: it would shadow the `kernels` package"
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or "minivllm" not in str(spec.origin), "`kernels` must not resolve to minivllm's kernels"

@@ -7,9 +7,9 @@
 # minivllm; everything else stays the reference. A method sits in a stub class named like
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
-#   ch06-decode-online-softmax     _decode_tile  (kernels/paged_attention.py)
-#   ch06-reshape-and-cache-kernel  _reshape_and_cache_kernel  (kernels/reshape_and_cache.py)
-#   ch06-fused-add-rms-norm        _fused_add_rms_norm_kernel  (kernels/rms_norm.py)
+#   ch06-decode-online-softmax     _decode_tile  (minivllm/kernels/paged_attention.py)
+#   ch06-reshape-and-cache-kernel  _reshape_and_cache_kernel  (minivllm/kernels/reshape_and_cache.py)
+#   ch06-fused-add-rms-norm        _fused_add_rms_norm_kernel  (minivllm/kernels/rms_norm.py)
 
 from __future__ import annotations
 

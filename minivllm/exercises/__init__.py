@@ -1,7 +1,7 @@
 """The exercise system: rebuild a piece of minivllm and check it with minivllm's own tests.
 
 The reference implementation is the answer key. A `# exercise[chNN-name]: hint` comment above
-a function in `minivllm/` or `kernels/` marks it as an exercise (`markers`); the learner's
+a function in `minivllm/` (the kernels included) marks it as an exercise (`markers`); the learner's
 skeletons under `exercises/chNN/` are generated from those markers (`generate`); `minivllm
 exercise check NN` runs the chapter's exercise tests in a subprocess with the learner's
 functions swapped in (`runner`, `patching`, `pytest_plugin`). `exercises/README.md` is the

@@ -1,7 +1,7 @@
 """Find the exercises: `# exercise[chNN-name]: hint` comments above functions in the reference.
 
 A marker sits on the line directly above a `def` (above its decorators, if any) of a module
-function or of a method of a top-level class, in `minivllm/` or `kernels/`. Every marked
+function or of a method of a top-level class, in `minivllm/`. Every marked
 function must have a docstring: it is the learner's specification, copied into the skeleton.
 A marker anywhere else (above a nested function, a class, a statement) is an error, so a
 misplaced marker never silently drops an exercise. See exercises/README.md.
@@ -23,7 +23,7 @@ AST_PARSE_LOCK = threading.Lock()
 MARKER = re.compile(r"^\s*#\s*exercise\[(?P<id>[^\]]*)\]\s*:?\s*(?P<hint>.*?)\s*$")
 EXERCISE_ID = re.compile(r"^ch(?P<chapter>\d\d)-[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Source folders that hold exercises, and the package each is imported as.
-SOURCE_PACKAGES = {"minivllm": "minivllm", "kernels": "minivllm.kernels"}
+SOURCE_PACKAGES = {"minivllm": "minivllm"}
 # The exercise machinery itself mentions markers in its docs; it never holds exercises.
 SKIPPED = {Path("minivllm/exercises")}
 

@@ -14,7 +14,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
 PARTS=${PARTS:-"tests qwen llama latq latl parity"}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:/tmp/site
-ln -sfn "$PWD/kernels" minivllm/kernels
 LOG="$OUT/log.txt"
 merge() {  # every result so far into one JSON (the run may be cut short by its time limit)
   python3 - <<'EOF'
@@ -85,4 +84,3 @@ for part in $PARTS; do
       MINIVLLM_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_hf_parity.py -q -p no:cacheprovider 2>&1 | tail -6 | tee -a "$LOG" ;;
   esac
 done
-rm -f minivllm/kernels

@@ -6,7 +6,6 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ln -sfn "$PWD/kernels" minivllm/kernels  # minivllm.kernels for an uninstalled checkout
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 MINIVLLM_TEST_DEVICE=cuda timeout 60 python -m pytest tests/test_kv_offload.py -q -x -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pytest_kv_offload_cuda.txt"
 BENCH="python -m minivllm.bench.prefix_caching ${EAGER---enforce-eager} --repeats ${REPEATS:-4} --requests-per-prefix ${PER_PREFIX:-40}"
@@ -14,4 +13,3 @@ for mode in on off offload; do
   timeout 80 $BENCH --mode $mode --json "$OUT/prefix_caching_$mode.json" > "$OUT/log_$mode.txt" 2>&1 || tail -5 "$OUT/log_$mode.txt"
 done
 python -m minivllm.bench.prefix_caching --summarize "$OUT"/prefix_caching_*.json | tee "$OUT/summary.txt"
-rm -f minivllm/kernels

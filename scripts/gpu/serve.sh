@@ -8,7 +8,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python -m pip install -q --no-index --find-links .whl fastapi 'uvicorn[standard]' prometheus-client aiohttp pyzmq msgspec > "$OUT/pip.txt" 2>&1; then
   tail -20 "$OUT/pip.txt"; echo "the serve extra did not install: see pip.txt"; exit 1
 fi
-ln -sfn "$PWD/kernels" minivllm/kernels
 MODEL=$(python -c "from minivllm.bench.shapes import write_shape_folder as w; print(w('qwen3-0.6b', '/tmp/qwen3-0.6b-shape'))")
 ENGINE="--load-format dummy --skip-tokenizer-init --max-model-len 2048 ${EXTRA_ENGINE:-}"
 WORKLOAD="--num-prompts ${NUM_PROMPTS:-200} --random-input-len 256 --random-output-len ${OUTPUT_LEN:-128}"
@@ -43,4 +42,3 @@ kill "$SERVER"; wait "$SERVER" 2>/dev/null
 
 [ "${OFFLINE:-1}" = 1 ] && timeout 150 python -m minivllm.bench.serve --backend offline --model "$MODEL" $ENGINE $WORKLOAD \
   --result-file "$OUT/offline.json" 2>&1 | grep -E "throughput|completed"
-rm -f minivllm/kernels

@@ -31,7 +31,7 @@ import minivllm.kernels.rms_norm as rms_norm
 from minivllm.kernels._utils import next_power_of_2
 
 # Not `import minivllm.kernels.reshape_and_cache as ...`: the package's attribute of that name
-# is the launcher function (kernels/__init__.py imports it), which hides the module.
+# is the launcher function (minivllm/kernels/__init__.py imports it), which hides the module.
 cache_kernel = importlib.import_module("minivllm.kernels.reshape_and_cache")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
