@@ -1,6 +1,7 @@
 """Triton kernels, each beside its naive PyTorch reference (chapter 06).
 
-Installed as `minivllm.kernels` (the top-level name `kernels` belongs to another project).
+A subpackage of minivllm, never a top-level `kernels`: that name belongs to another project,
+which transformers imports.
 `KERNELS` maps each kernel's name to (kernel launcher, reference); the tests check every entry
 against its reference, on the CPU through Triton's interpreter and on the GPU natively.
 
