@@ -14,24 +14,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minivllm.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # the executor imports the model layers, which import this module
+    from minivllm.executor.cuda_graphs import PiecewiseCapture
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during a dummy (profiling) run
-    # Set only while piecewise CUDA graphs are captured: a `PiecewiseCapture`, whose
-    # `split_at(layer, q, k, v)` stands in for attention.
-    piecewise_capture: Any = None
+    # Set only while piecewise CUDA graphs are captured: its `split_at(layer, q, k, v)`
+    # stands in for attention.
+    piecewise_capture: PiecewiseCapture | None = None
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, piecewise_capture: Any = None) -> Iterator[None]:
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None, piecewise_capture: PiecewiseCapture | None = None
+) -> Iterator[None]:
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(attn_metadata, piecewise_capture)

@@ -23,6 +23,7 @@ import statistics
 import time
 
 from minivllm.bench import report
+from minivllm.config import CUDAGRAPH_MODES
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--compilation-level", type=int, default=0)
-    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
-                        help="none | full_decode_only | piecewise | full_and_piecewise (chapter 05)")
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise", choices=CUDAGRAPH_MODES,
+                        help="which steps replay CUDA graphs (chapter 05)")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n runs")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)

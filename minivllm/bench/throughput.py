@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from minivllm.bench import git_commit, report
+from minivllm.config import CUDAGRAPH_MODES
 
 
 # --8<-- [start:workload]
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compilation-level", type=int, default=0)
-    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
-                        help="none | full_decode_only | piecewise | full_and_piecewise (chapter 05)")
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise", choices=CUDAGRAPH_MODES,
+                        help="which steps replay CUDA graphs (chapter 05)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n runs")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -300,11 +300,12 @@ class PiecewiseCudaGraphRunner:
         `self.attn_output` that the next piece reads. Returns `self.outputs[size]`, the last
         piece's hidden states.
         """
-        pieces = self.pieces[size]
+        pieces, calls = self.pieces[size], self.attention_calls[size]
+        output = self.attn_output[:size].view(calls[0][1].shape)  # every layer's q has one shape
         pieces[0].replay()
-        for (layer, q), piece in zip(self.attention_calls[size], pieces[1:]):
+        for (layer, q), piece in zip(calls, pieces[1:]):
             # K/V are None: the piece before wrote them into the cache.
-            layer.attend(q, None, None, meta, output=self.attn_output[:size].view(q.shape))
+            layer.attend(q, None, None, meta, output=output)
             piece.replay()
         return self.outputs[size]
     # --8<-- [end:piecewise-replay]

@@ -470,11 +470,14 @@ class ModelRunner:
             self.block_tables.np[num_reqs:graph_size] = 0
             self.query_start_loc.np[: graph_size + 1] = np.arange(graph_size + 1)
             n = num_reqs = graph_size
+        # The rows the model runs: a full graph's batch (n, padded above), or the pieces' token
+        # count, of which attention sees only the real n.
+        padded_tokens = piecewise_size or n
         query_start_loc_cpu = self.query_start_loc.np[: len(req_ids) + 1].tolist()
         seq_lens_cpu = seq_lens.tolist()
         meta = AttentionMetadata(
             num_actual_tokens=n,
-            slot_mapping=self.slot_mapping.copy_to_device(piecewise_size or n)[:n],
+            slot_mapping=self.slot_mapping.copy_to_device(padded_tokens)[:n],
             query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
             seq_lens=self.seq_lens.copy_to_device(num_reqs),
             block_tables=self.block_tables.copy_to_device(num_reqs),
@@ -484,8 +487,8 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        input_ids = self.input_ids.copy_to_device(piecewise_size or n)
-        self.positions.copy_to_device(piecewise_size or n)
+        input_ids = self.input_ids.copy_to_device(padded_tokens)
+        self.positions.copy_to_device(padded_tokens)
         if len(pending):
             # Decodes come first, one token each: request i's input is token i. The gather
             # runs on the device, after the previous step's sampler, in stream order.
