@@ -56,7 +56,8 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
-                            "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul"}
+                            "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
+                            "skinny_gemm"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
 
@@ -186,6 +187,27 @@ def test_silu_and_mul(rows, d, dtype, seed):
     x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
     kernel, reference = KERNELS["silu_and_mul"]
     assert rel_err(kernel(x), reference(x)) < TOLERANCE[dtype]
+
+
+@FAST
+@given(tokens=st.integers(1, 8), n=st.integers(1, 300), k=st.integers(1, 700), with_bias=st.booleans(),
+       sum_each_slice=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_skinny_gemm(tokens, n, k, with_bias, sum_each_slice, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, weight, bias = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((tokens, k), (n, k), (n,)))
+    kernel, reference = KERNELS["skinny_gemm"]
+    # A 64-wide K slice, so that most drawn K end mid-slice and the masks are exercised.
+    out = kernel(x, weight, bias if with_bias else None, block_k=64, sum_each_slice=sum_each_slice)
+    assert out.shape == (tokens, n)
+    assert rel_err(out, reference(x, weight, bias if with_bias else None)) < TOLERANCE[dtype]
+
+
+def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
+    from minivllm.kernels import SKINNY_MAX_TOKENS
+
+    kernel, _ = KERNELS["skinny_gemm"]
+    with pytest.raises(ValueError, match="at most"):
+        kernel(torch.zeros(SKINNY_MAX_TOKENS + 1, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
 
 
 def test_check_mode_raises_on_a_wrong_kernel(monkeypatch):

@@ -33,6 +33,7 @@ from minivllm.executor.cuda_graphs import (
 from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch, flatten_batch
 from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
+from minivllm.models.layers.linear import LinearBase
 from minivllm.models.loader import get_model
 from minivllm.sample.metadata import build_sampling_metadata
 from minivllm.sample.sampler import Sampler
@@ -216,7 +217,8 @@ class ModelRunner:
         argument properties; that takes a second or more, and in a running engine it would
         stall every request in the step. One mixed step (a decode, and a prefill continuing
         cached tokens) runs every kernel of the forward pass; then the decode merge kernel is
-        compiled for each split-tile size it can use. Nothing is written: every slot is -1.
+        compiled for each split-tile size it can use, and the skinny GEMM for 1, 2 and 3-4
+        tokens on every linear layer. Nothing is written: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
             return
@@ -236,6 +238,10 @@ class ModelRunner:
         with set_forward_context(meta):
             self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
         self._warm_up_decode_merge()
+        for module in self.model.modules():
+            if isinstance(module, LinearBase):
+                for tokens in (1, 2, 4):
+                    module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
 
     def _warm_up_decode_merge(self) -> None:
@@ -245,7 +251,7 @@ class ModelRunner:
         query = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
         block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
-        block_n = 64  # the decode launcher's default tile
+        block_n, _, _ = kernels.decode_config(layer.head_dim)  # the launcher's default tile
         # The most splits a step can use: one sequence of max_model_len tokens.
         most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
         # One split (the partial kernel writes the output itself), then each merge tile size.

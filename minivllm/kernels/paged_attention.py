@@ -190,7 +190,7 @@ LOG2_E = 1.4426950408889634
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
-    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 4,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
@@ -199,9 +199,9 @@ def paged_decode_attention(
     With one split (many sequences: enough programs already), the partial kernel normalizes
     and writes the output itself; otherwise the merge kernel combines the splits.
     """
-    # Defaults from a sweep on the H200 (scripts/gpu/sweep_attention.py): 64-token tiles,
-    # 4 warps, 3 pipeline stages reached 0.97x the copy bandwidth at batch 64, context 4096.
     num_seqs, num_heads, head_dim = query.shape
+    default_block_n, default_warps, default_stages = decode_config(head_dim)
+    block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     if max_seq_len is None:
@@ -235,6 +235,18 @@ def paged_decode_attention(
     )
     return out
 # --8<-- [end:decode-launcher]
+
+
+def decode_config(head_dim: int) -> tuple[int, int, int]:
+    """The decode kernel's default (context tokens per tile, warps, pipeline stages) for a head size.
+
+    From sweeps on the H200: for head_dim 128, 64-token tiles, 4 warps and 3 stages reached
+    0.97x the copy bandwidth at batch 64, context 4096 (scripts/gpu/sweep_attention.py); for
+    head_dim 64, whose key rows are half as long, 256-token tiles with 4 warps and 4 stages
+    were fastest at the throughput benchmark's shapes (scripts/gpu/sweep_decode_shapes.py,
+    chapter 06).
+    """
+    return (256, 4, 4) if head_dim <= 64 else (64, 4, 3)
 
 
 def decode_num_splits(

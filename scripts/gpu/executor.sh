@@ -6,6 +6,8 @@
 #   MINIVLLM_COMMIT=$(git rev-parse --short HEAD) PARTS="tests qwen llama latq latl parity" scripts/gpu/executor.sh
 # Other parts: qwen-graphs llama-graphs qwen-eager async profile profile-async profile-llama
 # kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests
+# sweep-skinny (the skinny GEMM vs cuBLAS for 1-8 token batches) skinny (batch 1-4 steps with
+# and without it) decode-variants (head_dim-64 decode configurations in the engine)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -25,7 +27,9 @@ EOF
 bench() {  # name, then the arguments of `minivllm bench ...`
   local name=$1; shift
   echo "== $name: minivllm bench $*" | tee -a "$LOG"
-  timeout 300 python3 -m minivllm.cli.main bench "$@" --json "/tmp/res/$name.json" >>"$LOG" 2>&1 || echo "!! $name failed ($?)" | tee -a "$LOG"
+  # VARIANT (scripts/gpu/engine_variants.py): the bench with one engine variant patched in.
+  if [ -n "${VARIANT:-}" ]; then local runner="scripts/gpu/engine_variants.py $VARIANT --"; else local runner="-m minivllm.cli.main"; fi
+  timeout 300 python3 $runner bench "$@" --json "/tmp/res/$name.json" >>"$LOG" 2>&1 || echo "!! $name failed ($?)" | tee -a "$LOG"
   python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'kernel_compiles_during_run')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('graph_replay_ms', 0), 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
   merge
 }
@@ -54,10 +58,22 @@ for part in $PARTS; do
       bench latency-llama-3.2-1b-async latency --shape llama-3.2-1b --batch-sizes 1,64,256 --output-len 64 --num-iters 3 --async-scheduling ;;
     sweep-decode)  # the decode kernel's settings at the throughput benchmark's batch-256 shapes
       timeout 150 python3 scripts/gpu/sweep_decode_shapes.py --json "$OUT/decode-shapes.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
+    skinny)  # batch 1-4 decode steps with the skinny GEMM (default) and with cuBLAS only, both shapes
+      for shape in qwen3-0.6b llama-3.2-1b; do
+        for v in default cublas; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
+        done
+      done ;;
+    decode-variants)  # head_dim-64 decode configurations in the whole engine (Llama, offline, async)
+      for v in default decode=128,8,3 decode=64,4,3; do
+        VARIANT=$v bench "throughput-llama-async-$v" throughput --shape llama-3.2-1b --async-scheduling
+      done ;;
+    sweep-skinny)  # the skinny GEMM against cuBLAS at batch 1-8 decode shapes
+      timeout 400 python3 scripts/gpu/sweep_skinny_gemm.py --json "$OUT/skinny-gemm.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
     kernel-tests)
       timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;
-    kprofile)  # the GPU kernels of a decode graph replay, both shapes, batch 1 and 256
-      for shape in qwen3-0.6b llama-3.2-1b; do
+    kprofile)  # the GPU kernels of a decode graph replay, both shapes (KPROFILE_SHAPES), batch 1 and 256
+      for shape in ${KPROFILE_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
         timeout 180 python3 scripts/gpu/kernel_profile.py --shape $shape --batch 1 --batch 256 --json "$OUT/kernels-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
     piecewise)  # prefill steps as piecewise graphs vs eager (cudagraph_mode full_decode_only)

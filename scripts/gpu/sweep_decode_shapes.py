@@ -4,9 +4,11 @@
 
 For Qwen3-0.6B (16 query / 8 KV heads, head_dim 128) and Llama-3.2-1B (32 / 8, head_dim 64):
 256 sequences with contexts drawn uniformly from [100, 1024] + [0, 1024) (the nano-vllm
-workload in mid-decode), block size 16, blocks shuffled. Times every (tile, warps, stages)
-variant at the launcher's own split count, checks each against the reference, and prints
-GB/s of K/V read against the copy bandwidth measured in the same run.
+workload in mid-decode), block size 16, blocks shuffled. Times (tile, warps, stages)
+variants at the launcher's own split count, then, with the default tile, more splits than the
+launcher picks and the sequences ordered longest first (two ways to balance uneven contexts
+across the GPU's programs); checks each against the reference, and prints GB/s of K/V read
+against the copy bandwidth measured in the same run.
 """
 
 import argparse
@@ -20,7 +22,11 @@ import triton
 
 sys.path.insert(0, os.getcwd())
 from minivllm.bench.ceilings import copy_bandwidth_gbps  # noqa: E402
-from minivllm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
+from minivllm.kernels.paged_attention import (  # noqa: E402
+    decode_config,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=256)
@@ -49,24 +55,39 @@ for name, heads, kv_heads, head_dim in [("qwen3-0.6b", 16, 8, 128), ("llama-3.2-
     few = slice(0, 8)
     ref = paged_decode_attention_reference(q[few], kv, block_tables[few], seq_lens[few], head_dim**-0.5)
     rows = []
-    for block_n, warps, stages in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4]):
-        f = lambda: paged_decode_attention(q, kv, block_tables, seq_lens, head_dim**-0.5,  # noqa: E731
-                                           block_n=block_n, num_warps=warps, num_stages=stages)
+
+    def measure(label: dict, q, block_tables, seq_lens, **kwargs) -> None:
+        f = lambda: paged_decode_attention(q, kv, block_tables, seq_lens, head_dim**-0.5, **kwargs)  # noqa: E731
         try:
             out = f()
         except Exception as e:  # a variant that does not fit (shared memory) is skipped, and said so
-            print(f"{name} block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
-            continue
-        err = ((out[few].float() - ref.float()).norm() / ref.float().norm()).item()
+            print(f"{name} {label}: {type(e).__name__}")
+            return
+        order = label.get("order")
+        got = out if order is None else out[torch.argsort(order)]  # back to the original order
+        err = ((got[few].float() - ref.float()).norm() / ref.float().norm()).item()
         t = ms(f)
-        rows.append({"block_n": block_n, "warps": warps, "stages": stages, "ms": t, "GBps": nbytes / t / 1e6, "rel_err": err})
+        rows.append({**{k: v for k, v in label.items() if k != "order"}, "ms": t, "GBps": nbytes / t / 1e6, "rel_err": err})
+
+    for block_n, warps, stages in itertools.product([64, 128, 256], [4, 8], [2, 3, 4]):
+        measure({"block_n": block_n, "warps": warps, "stages": stages}, q, block_tables, seq_lens,
+                block_n=block_n, num_warps=warps, num_stages=stages)
+    tile_n, tile_warps, tile_stages = decode_config(head_dim)
+    for splits in (2, 4):
+        measure({"block_n": tile_n, "warps": tile_warps, "stages": tile_stages, "splits": splits}, q, block_tables, seq_lens,
+                num_splits=splits)
+    longest_first = torch.argsort(seq_lens, descending=True)
+    measure({"block_n": tile_n, "warps": tile_warps, "stages": tile_stages, "longest_first": True, "order": longest_first},
+            q[longest_first], block_tables[longest_first], seq_lens[longest_first])
     rows.sort(key=lambda r: r["ms"])
-    default = next(r for r in rows if (r["block_n"], r["warps"], r["stages"]) == (64, 4, 3))
+    default = next(r for r in rows if (r["block_n"], r["warps"], r["stages"]) == decode_config(head_dim)
+                   and "splits" not in r and not r.get("longest_first"))
     results["shapes"][name] = {"kv_bytes": nbytes, "rows": rows, "default": default}
     print(f"\n{name}: {args.batch} seqs, mean context {results['mean_context']:.0f}, K/V {nbytes / 1e6:.0f} MB, copy {copy:.0f} GB/s")
-    print(f"  default (64, 4 warps, 3 stages): {default['ms'] * 1e3:.1f} us, {default['GBps']:.0f} GB/s = {default['GBps'] / copy:.2f}x copy")
-    for r in rows[:5]:
-        print(f"  block_n {r['block_n']:3d} warps {r['warps']} stages {r['stages']}: {r['ms'] * 1e3:7.1f} us "
+    print(f"  default (block_n, warps, stages) {decode_config(head_dim)}: {default['ms'] * 1e3:.1f} us, {default['GBps']:.0f} GB/s = {default['GBps'] / copy:.2f}x copy")
+    for r in rows:
+        extra = f" splits {r['splits']}" if "splits" in r else (" longest first" if r.get("longest_first") else "")
+        print(f"  block_n {r['block_n']:3d} warps {r['warps']} stages {r['stages']}{extra}: {r['ms'] * 1e3:7.1f} us "
               f"{r['GBps']:6.0f} GB/s = {r['GBps'] / copy:.2f}x copy  err {r['rel_err']:.1e}")
 if args.json:
     json.dump(results, open(args.json, "w"), indent=1)

@@ -1,8 +1,9 @@
 """When the model layers call a Triton kernel instead of their torch code (chapter 06).
 
 On CUDA the layers use the kernels of `minivllm.kernels` (fused add + RMSNorm, RoPE in place,
-SiLU-and-mul); on the CPU they keep their plain torch code, which is also what the kernels
-are checked against. `MINIVLLM_TRITON_OPS=0` turns the kernels off on CUDA, to compare.
+SiLU-and-mul, and the skinny GEMM for the few-token products where it beats cuBLAS); on the
+CPU they keep their plain torch code, which is also what the kernels are checked against.
+`MINIVLLM_TRITON_OPS=0` turns the kernels off on CUDA, to compare.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -20,3 +22,19 @@ def call_kernel(name: str, *args, **kwargs):
     from minivllm.kernels import call_kernel as _call  # imported late: it defines the kernels
 
     return _call(name, *args, **kwargs)
+
+
+# --8<-- [start:linear]
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or on CUDA the skinny GEMM kernel for the 1-4 token products it wins.
+
+    Not inside torch.compile's tracing: there the token count is symbolic and a branch on it
+    would specialize the compiled graph to one batch size.
+    """
+    if use_triton_ops(x) and weight.dtype == x.dtype and not torch.compiler.is_compiling():
+        from minivllm.kernels.gemm import skinny_gemm_wins
+
+        if skinny_gemm_wins(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1]):
+            return call_kernel("skinny_gemm", x, weight, bias)
+    return F.linear(x, weight, bias)
+# --8<-- [end:linear]

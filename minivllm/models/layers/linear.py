@@ -13,10 +13,10 @@ Chapter 06 (models) and chapter 10 (tensor parallelism) explain the arithmetic.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from minivllm.models.layers.custom_ops import linear
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -45,7 +45,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # F.linear, or a Triton kernel for 1-4 tokens
 
 
 class ReplicatedLinear(LinearBase):
@@ -100,7 +100,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Add the bias once, after the sum, not on every rank.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y)
 
 

@@ -1,0 +1,128 @@
+"""A matrix product for a handful of tokens in Triton: `x @ weight.T` for 1-8 rows (chapter 06).
+
+A decode step at batch 1 multiplies one activation row by every weight matrix of the model:
+all of its time is reading the weights, and the arithmetic is nothing. What matters is keeping
+enough weight bytes in flight on every multiprocessor. cuBLAS picks tensor-core tiles made for
+larger batches here (the H200 profile in chapter 05: about 1 TB/s on Qwen3-0.6B's matrices,
+a quarter of the copy bandwidth).
+
+This kernel gives each program BLOCK_N weight rows and walks along K in BLOCK_K slices: it
+loads a [BLOCK_N, BLOCK_K] tile of the weight (contiguous rows, so the loads are wide), the
+matching [BLOCK_M, BLOCK_K] slice of the activations, and accumulates the products with plain
+multiply-adds in float32 (no tensor cores: with BLOCK_M of 1-8 they would mostly multiply
+padding). The reduction over K is summed once at the end, not every slice. Every program
+reads a disjoint set of weight rows, so there is no second pass to combine partial sums and
+the result does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
+
+# The largest token count the kernel is meant for; beyond it tensor-core GEMMs win.
+SKINNY_MAX_TOKENS = 8
+
+
+def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+# --8<-- [start:skinny-gemm-kernel]
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUM_EACH_SLICE: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
+
+    SUM_EACH_SLICE: reduce over k after every slice (fewer registers, more shuffles) instead
+    of once at the end; larger tiles need it.
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * K  # weight is [N, K], rows contiguous
+    x_rows = x_ptr + offs_m[:, None] * x_stride
+    if SUM_EACH_SLICE:
+        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # partial products per (m, n, k-lane), summed over the lanes after the loop
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + offs_k) < K
+        w = tl.load(w_rows + k + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(x_rows + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if SUM_EACH_SLICE:
+            out += tl.sum(products, axis=2)
+        else:
+            acc += products
+    if not SUM_EACH_SLICE:
+        out = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * out_stride + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+# --8<-- [end:skinny-gemm-kernel]
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice): within 5 % of the fastest variant
+# for every product that skinny_gemm_wins picks, in the H200 sweep (scripts/gpu/sweep_skinny_gemm.py).
+SKINNY_TILE = (4, 512, 4, 2, False)
+
+
+def skinny_gemm_tile(num_tokens: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice) for a [num_tokens, k] x [n, k] product."""
+    return SKINNY_TILE
+
+
+# --8<-- [start:skinny-gemm-wins]
+def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
+    """Whether this kernel beats cuBLAS on a [num_tokens, k] x [n, k] product, on the H200.
+
+    The sweep (chapter 06) found it faster on matrices of at most 4 Mi elements (8 MiB in
+    bf16: Qwen3-0.6B's qkv, o and down, Llama-3.2-1B's qkv and o) for 1-2 tokens, and for
+    3-4 tokens on those with at most 1,024 rows; cuBLAS's kernels won on the larger ones
+    (gate_up, Llama's down, the LM head) and at 8 tokens.
+    """
+    if n * k > 4 << 20:
+        return False
+    return num_tokens <= 2 or (num_tokens <= 4 and n <= 1024)
+# --8<-- [end:skinny-gemm-wins]
+
+
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    sum_each_slice: bool | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > SKINNY_MAX_TOKENS:
+        raise ValueError(f"skinny_gemm is for at most {SKINNY_MAX_TOKENS} tokens, got {m}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tile = skinny_gemm_tile(m, n, k)
+    block_n, block_k = block_n or tile[0], block_k or tile[1]
+    num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
+    sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
+    if m > 0:
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+            x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            SUM_EACH_SLICE=sum_each_slice, num_warps=num_warps, num_stages=num_stages,
+        )
+    return out.view(*x.shape[:-1], n)
