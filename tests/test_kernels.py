@@ -210,6 +210,26 @@ def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
         kernel(torch.zeros(SKINNY_MAX_TOKENS + 1, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
 
 
+def test_skinny_gemm_is_picked_only_where_the_h200_sweep_measured_it_faster():
+    """`skinny_gemm_wins` against the recorded sweep: every product it sends to the kernel ran
+    faster there with the default tile than with cuBLAS, and it picks some of them."""
+    import json
+    from pathlib import Path
+
+    from minivllm.kernels.gemm import SKINNY_TILE, skinny_gemm_wins
+
+    data = json.loads((Path(__file__).parents[1] / "docs/data/skinny-gemm-h200-2026-12-03.json").read_text())
+    keys = ("block_n", "block_k", "num_warps", "num_stages", "sum_each_slice")
+    picked = 0
+    for row in data["skinny_gemm_sweep"]["shapes"]:
+        if not skinny_gemm_wins(row["tokens"], row["N"], row["K"]):
+            continue
+        picked += 1
+        tile = next(v for v in row["top"] if tuple(v[k] for k in keys) == SKINNY_TILE)
+        assert tile["us"] < row["cublas_us"], (row["model"], row["matrix"], row["tokens"])
+    assert picked >= 5
+
+
 def test_check_mode_raises_on_a_wrong_kernel(monkeypatch):
     import minivllm.kernels as kernels
 

@@ -2,17 +2,17 @@
 
 A decode step at batch 1 multiplies one activation row by every weight matrix of the model:
 all of its time is reading the weights, and the arithmetic is nothing. What matters is keeping
-enough weight bytes in flight on every multiprocessor. cuBLAS picks tensor-core tiles made for
-larger batches here (the H200 profile in chapter 05: about 1 TB/s on Qwen3-0.6B's matrices,
-a quarter of the copy bandwidth).
+enough weight bytes in flight on every multiprocessor. cuBLAS sometimes picks a kernel made for
+larger batches here: on the H200 it took 12.6 µs for Qwen3-0.6B's o projection (4 MiB, a third
+of a terabyte per second), where this kernel takes 4.6 µs.
 
 This kernel gives each program BLOCK_N weight rows and walks along K in BLOCK_K slices: it
 loads a [BLOCK_N, BLOCK_K] tile of the weight (contiguous rows, so the loads are wide), the
 matching [BLOCK_M, BLOCK_K] slice of the activations, and accumulates the products with plain
 multiply-adds in float32 (no tensor cores: with BLOCK_M of 1-8 they would mostly multiply
-padding). The reduction over K is summed once at the end, not every slice. Every program
-reads a disjoint set of weight rows, so there is no second pass to combine partial sums and
-the result does not depend on timing.
+padding). Every program reads a disjoint set of weight rows, so there is no second pass to
+combine partial sums and the result does not depend on timing. `skinny_gemm_wins` says for
+which products the layers use it; cuBLAS keeps the others.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _skinny_gemm_kernel(
 # --8<-- [end:skinny-gemm-kernel]
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice): within 5 % of the fastest variant
-# for every product that skinny_gemm_wins picks, in the H200 sweep (scripts/gpu/sweep_skinny_gemm.py).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice): within 2 % of the fastest variant
+# on every product that skinny_gemm_wins picks, in the H200 sweep (scripts/gpu/sweep_skinny_gemm.py).
 SKINNY_TILE = (4, 512, 4, 2, False)
 
 
@@ -89,14 +89,17 @@ def skinny_gemm_tile(num_tokens: int, n: int, k: int) -> tuple[int, int, int, in
 def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
     """Whether this kernel beats cuBLAS on a [num_tokens, k] x [n, k] product, on the H200.
 
-    The sweep (chapter 06) found it faster on matrices of at most 4 Mi elements (8 MiB in
-    bf16: Qwen3-0.6B's qkv, o and down, Llama-3.2-1B's qkv and o) for 1-2 tokens, and for
-    3-4 tokens on those with at most 1,024 rows; cuBLAS's kernels won on the larger ones
-    (gate_up, Llama's down, the LM head) and at 8 tokens.
+    The sweep (chapter 06) found it faster only on matrices of at most 4 Mi elements (8 MiB
+    in bf16), and there: for one token always (Qwen3-0.6B's qkv, o and down, Llama-3.2-1B's
+    o), for two on those of at most 2,048 rows, for three or four on those of at most 1,024.
+    cuBLAS won on the larger matrices (gate_up, Llama's qkv and down, the LM head) and at
+    eight tokens.
     """
     if n * k > 4 << 20:
         return False
-    return num_tokens <= 2 or (num_tokens <= 4 and n <= 1024)
+    if num_tokens == 1:
+        return True
+    return n <= (2048 if num_tokens == 2 else 1024) and num_tokens <= 4
 # --8<-- [end:skinny-gemm-wins]
 
 
