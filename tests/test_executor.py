@@ -48,6 +48,22 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKE
 STRESS = dict(max_num_batched_tokens=16, num_gpu_blocks_override=9, block_size=4, max_model_len=32)
 
 
+def test_the_engine_freezes_its_start_up_heap(tiny_qwen3):
+    """Objects alive when the engine starts go to the collector's permanent generation, so
+    that the step loop's collections do not walk them (`freeze_gc_heap`, chapter 05)."""
+    import gc
+
+    folder, _ = tiny_qwen3
+    marker: list = []
+    marker.append(marker)  # a reference cycle: an object the collector tracks
+    assert any(o is marker for o in gc.get_objects())
+    LLM(str(folder), skip_tokenizer_init=True, device=TEST_DEVICE, dtype="float32", max_model_len=64)
+    assert not any(o is marker for o in gc.get_objects()), "the start-up heap was not frozen"
+    created_after: list = []
+    created_after.append(created_after)
+    assert any(o is created_after for o in gc.get_objects()), "objects made after start-up must stay collectable"
+
+
 @pytest.mark.slow
 def test_multiprocess_executor_matches_the_in_process_one(tiny_qwen3):
     folder, prompts = tiny_qwen3

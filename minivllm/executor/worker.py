@@ -106,6 +106,9 @@ class Worker:
         """After the cache exists: compile the kernels, capture the decode CUDA graphs (CUDA)."""
         self.model_runner.warm_up_kernels()
         self.model_runner.capture_cuda_graphs()
+        from minivllm.engine.core import freeze_gc_heap  # imported late: core imports the executors
+
+        freeze_gc_heap()  # in a worker process its own heap; in-process, the engine freezes again after
 
     # --8<-- [start:worker-execute]
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -3,8 +3,8 @@
     python scripts/gpu/engine_variants.py VARIANT -- bench throughput --shape llama-3.2-1b ...
 
 VARIANT is `default` (the code as it is), `cublas` (the skinny GEMM never picked: every
-linear layer through cuBLAS), or `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel
-configuration for head_dim 64). It lets one GPU run compare defaults in the whole engine,
+linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage collector),
+or `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64). It lets one GPU run compare defaults in the whole engine,
 where a kernel sweep alone can mislead.
 """
 
@@ -18,6 +18,10 @@ if variant == "cublas":
     import minivllm.kernels.gemm as skinny
 
     skinny.skinny_gemm_wins = lambda num_tokens, n, k: False
+elif variant == "nofreeze":
+    import importlib
+
+    importlib.import_module("minivllm.engine.core").freeze_gc_heap = lambda: None
 elif variant.startswith("decode="):
     import minivllm.kernels as kernels
     import minivllm.kernels.paged_attention as paged

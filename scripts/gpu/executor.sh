@@ -7,7 +7,8 @@
 # Other parts: qwen-graphs llama-graphs qwen-eager async profile profile-async profile-llama
 # kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests
 # sweep-skinny (the skinny GEMM vs cuBLAS for 1-8 token batches) skinny (batch 1-4 steps with
-# and without it) decode-variants (head_dim-64 decode configurations in the engine)
+# and without it) decode-variants (head_dim-64 decode configurations in the engine) gc-freeze
+# (throughput with and without the frozen start-up heap)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -62,6 +63,12 @@ for part in $PARTS; do
       for shape in qwen3-0.6b llama-3.2-1b; do
         for v in default cublas; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
+        done
+      done ;;
+    gc-freeze)  # offline throughput with the start-up heap frozen (default) and not, both shapes, async
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        for v in default nofreeze; do
+          VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
         done
       done ;;
     decode-variants)  # head_dim-64 decode configurations in the whole engine (Llama, offline, async)
