@@ -7,6 +7,7 @@
 # minivllm; everything else stays the reference. A method sits in a stub class named like
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
+#   ch06-skinny-gemm               _skinny_gemm_kernel  (minivllm/kernels/gemm.py)
 #   ch06-decode-online-softmax     _decode_tile  (minivllm/kernels/paged_attention.py)
 #   ch06-reshape-and-cache-kernel  _reshape_and_cache_kernel  (minivllm/kernels/reshape_and_cache.py)
 #   ch06-fused-add-rms-norm        _fused_add_rms_norm_kernel  (minivllm/kernels/rms_norm.py)
@@ -15,6 +16,32 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+# exercise[ch06-skinny-gemm]: rows n = pid*BLOCK_N + arange; per K slice load w [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32; sum over k (+ bias); store masked
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUM_EACH_SLICE: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
+
+    Program p owns the weight rows n = p * BLOCK_N ... p * BLOCK_N + BLOCK_N - 1 (those < N)
+    and computes out[m, n] for all of them and every m < M (M <= BLOCK_M, a power of two).
+    weight is [N, K] with contiguous rows: element (n, k) is at weight_ptr + n * K + k (make
+    n int64 before multiplying: N * K can pass 2**31). Row m of x starts at x_ptr + m *
+    x_stride, row m of out at out_ptr + m * out_stride; both have contiguous elements. Walk K in
+    slices of BLOCK_K: load the [BLOCK_N, BLOCK_K] weight tile and the [BLOCK_M, BLOCK_K] slice
+    of x, with masks (n < N, m < M, k < K) and 0 for masked lanes, and accumulate the products
+    in float32 with plain multiply-adds (broadcast to [BLOCK_M, BLOCK_N, BLOCK_K]; no tl.dot,
+    which needs 16 rows). With SUM_EACH_SLICE, reduce over k after every slice into a
+    [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
+    and reduce once after the loop (fewer shuffles, more registers). With HAS_BIAS add bias[n]
+    (in float32; without it bias_ptr is unused). Store in out's dtype, only where m < M and
+    n < N.
+    """
+    raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; per K slice load w [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32; sum over k (+ bias); store masked")
 
 
 # exercise[ch06-decode-online-softmax]: s = dot(q, trans(k)) * scale, -inf where not n_mask; m_new = max(m_i, row max of s); acc, l_i times exp2(m_i - m_new), plus p = exp2(s - m_new)

@@ -269,3 +269,77 @@ def test_paged_decode_attention_equals_softmax_attention(seq_lens, num_kv_heads,
         )
         err = (got - want).abs().max().item()
         assert err < tol, f"request {i} (context {n} tokens): off by up to {err:.3g} from softmax attention; {advice}"
+
+
+# -- ch06-skinny-gemm -------------------------------------------------------------------------
+
+gemm = importlib.import_module("minivllm.kernels.gemm")
+
+
+def run_skinny_gemm_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           block_n: int, block_k: int, sum_each_slice: bool) -> torch.Tensor:
+    """Launch `_skinny_gemm_kernel` as `skinny_gemm` does, into an output with NaN guards.
+
+    The output's rows are `n + block_n` apart (guard columns right of each row), and `block_m`
+    guard rows follow the M real ones: a store outside [M, N] lands on a guard and is seen.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m = next_power_of_2(m)
+    out_buffer = torch.full((m + block_m, n + block_n), NAN, dtype=x.dtype, device=DEVICE)
+    out = out_buffer[:m, :n]
+    gemm._skinny_gemm_kernel[(-(-n // block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUM_EACH_SLICE=sum_each_slice,
+    )
+    outside = torch.ones_like(out_buffer, dtype=torch.bool)
+    outside[:m, :n] = False
+    assert out_buffer[outside].isnan().all(), (
+        "the kernel stored outside out's M rows and N columns: mask tl.store with m < M and n < N"
+    )
+    return out
+
+
+def skinny_problem(m: int, n: int, k: int, block_k: int, seed: int, dtype=torch.float32):
+    """x [m, k] whose rows have NaN guard columns and are followed by NaN rows (up to the next
+    power of two), and a contiguous weight [n, k] followed by NaN rows: every lane a kernel must
+    mask reads NaN if it does not."""
+    g = torch.Generator().manual_seed(seed)
+    block_m = next_power_of_2(m)
+    x_buffer = torch.full((block_m, k + block_k), NAN, dtype=dtype)
+    x_buffer[:m, :k] = torch.randn(m, k, generator=g).to(dtype)
+    w_buffer = torch.full(((n + 64) * k,), NAN, dtype=dtype)
+    w_buffer[: n * k] = torch.randn(n * k, generator=g).to(dtype) * k**-0.5
+    bias = torch.randn(n, generator=g).to(dtype)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(x_buffer)[:m, :k], to(w_buffer)[: n * k].view(n, k), to(bias)
+
+
+@pytest.mark.exercise("ch06-skinny-gemm")
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_n", "block_k", "advice"),
+    [
+        pytest.param(1, 16, 64, 4, 32, "one token, whole tiles: out[0, n] = Σ_k x[0, k] * weight[n, k]",
+                     id="one-token-whole-tiles"),
+        pytest.param(3, 10, 50, 4, 32, "3 tokens of a 4-row block, 10 rows of 4-row tiles, K = 50 in 32-wide "
+                     "slices: mask rows m >= M, rows n >= N and lanes k >= K when loading", id="partial-everything"),
+        pytest.param(5, 7, 100, 8, 64, "5 tokens of an 8-row block and one program for all 7 rows: the x row "
+                     "of token m starts at x_ptr + m * x_stride", id="five-tokens-one-program"),
+    ],
+)
+@pytest.mark.parametrize("sum_each_slice", [False, True], ids=["sum-once", "sum-each-slice"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_skinny_gemm_is_x_times_weight_transposed(m, n, k, block_n, block_k, advice, sum_each_slice, with_bias):
+    x, weight, bias = skinny_problem(m, n, k, block_k, seed=m * 100 + n)
+    out = run_skinny_gemm_kernel(x, weight, bias if with_bias else None, block_n, block_k, sum_each_slice)
+    assert torch.isfinite(out).all(), (
+        "the output holds NaN: the kernel read a masked lane (x's guard columns and rows and the rows after "
+        "weight are NaN); mask every tl.load and give it other=0.0"
+    )
+    want = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    err = (out.double() - want).abs().max().item()
+    # float32 throughout; only the order of the additions differs from the reference's (~1e-6).
+    assert err < 1e-4, (
+        f"out differs from x @ weight.T{' + bias' if with_bias else ''} by up to {err:.3g}: {advice}"
+        + ("; add bias[n] once, after the sum over k" if with_bias else "")
+    )
