@@ -6,8 +6,9 @@ Chapter 05's offline throughput on the nano-vllm workload, for both shapes, from
 `scripts/gpu/executor.sh` wrote in each run (nothing typed in by hand): the first run, the run
 after the kernel warm-up and host-side fixes, the run that compared synchronous steps with
 async scheduling side by side, the run after fusing kernels (fewer launches per layer), and
-the run with piecewise CUDA graphs for the prefill steps; HF transformers' `generate` beside
-them, and the physical bound of the same work as a red line.
+the run with piecewise CUDA graphs for the prefill steps, and the run with the skinny GEMM and
+the start-up heap frozen out of the garbage collector's sight (its second repetition); HF
+transformers' `generate` beside them, and the physical bound of the same work as a red line.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ BARS = [  # (label, data file, run inside it or None, result name with {shape})
     ("async\nscheduling", "executor-h200-2026-12-03-async.json", "run1", "throughput-{shape}-async"),
     ("fewer kernels\n(fused),\nasync", "executor-h200-2026-12-03-fused.json", None, "throughput-{shape}-async"),
     ("piecewise\ngraphs,\nasync", "piecewise-h200-2026-12-03.json", "offline_async_7c5b525", "throughput-{shape}-async"),
+    ("frozen\nstart-up heap,\nasync", "gc-freeze-h200-2026-12-03.json", "results", "throughput-{full}-async-default"),
     ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
 ]
-COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#616161"]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#0d1257", "#616161"]
+FULL_NAMES = {"qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b"}  # how the later data files name the shapes
 FLOOR = "#c62828"
 
 
@@ -52,7 +55,7 @@ def plot(out: Path) -> None:
     for ax, (shape, title) in zip(axes, [("qwen3", "Qwen3-0.6B"), ("llama", "Llama-3.2-1B")]):
         values, bound = [], None
         for label, file, runs, name in BARS:
-            run = result(file, runs, name.format(shape=shape))
+            run = result(file, runs, name.format(shape=shape, full=FULL_NAMES[shape]))
             values.append(run["output_tokens_per_s"] if run else 0.0)
             if run and run.get("bound_output_tokens_per_s") and "async" in label:  # the latest engine run's bound
                 bound = run["bound_output_tokens_per_s"]
