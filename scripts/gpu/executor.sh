@@ -8,7 +8,8 @@
 # kprofile (the kernels of a replay) sweep-decode (the decode kernel at batch 256) kernel-tests
 # sweep-skinny (the skinny GEMM vs cuBLAS for 1-8 token batches) skinny (batch 1-4 steps with
 # and without it) decode-variants (head_dim-64 decode configurations in the engine) gc-freeze
-# (throughput with and without the frozen start-up heap)
+# (throughput with and without the frozen start-up heap) profile-nano (the step profile of the
+# throughput benchmark's own workload)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -53,6 +54,10 @@ for part in $PARTS; do
     profile-async)
       for b in 256 1; do
         timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+      done ;;
+    profile-nano)  # where the throughput benchmark's own steps spend their time, both shapes, async
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        timeout 150 python3 scripts/gpu/step_profile.py --shape $shape --workload nano --top 20 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
     profile-llama)  # the Llama shape's decode step at batch 256, async, and its latency ladder
       timeout 120 python3 scripts/gpu/step_profile.py --shape llama-3.2-1b --workload decode --batch 256 --tokens 64 --caching off --top 12 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"

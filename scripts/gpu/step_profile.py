@@ -7,7 +7,9 @@
 0 %-hit workload); `decode`: `--batch` 16-token prompts decoding `--tokens` tokens;
 `one-prompt` (with `--caching off`): one 128-token prompt generating one token, 20 times, so
 every step is one small prefill step, the kind a server runs whenever a request arrives
-(eager with `--cudagraph-mode full_decode_only`, pieces with the default).
+(eager with `--cudagraph-mode full_decode_only`, pieces with the default); `nano`: the
+throughput benchmark's own workload (256 requests, prompt and output lengths uniform in
+[100, 1024], temperature 0.6), to see where its steps' time goes.
 Prints the steps, the seconds, per-part milliseconds per step (`runner.forward` is the host's
 time to launch an eager forward pass: graph replays do not go through it), and the top
 functions by own time.
@@ -26,9 +28,10 @@ import time
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.shapes import write_shape_folder
+from minivllm.bench.throughput import random_workload
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--workload", choices=["prefill", "decode", "one-prompt"], default="prefill")
+parser.add_argument("--workload", choices=["prefill", "decode", "one-prompt", "nano"], default="prefill")
 parser.add_argument("--caching", choices=["on", "off"], default="on")
 parser.add_argument("--eager", action="store_true")
 parser.add_argument("--batch", type=int, default=256)
@@ -51,6 +54,9 @@ if args.workload == "prefill":
 elif args.workload == "one-prompt":
     prompts = [[rng.randrange(vocab_size) for _ in range(128)]]
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+elif args.workload == "nano":
+    prompts, output_lens = random_workload(256, 100, 1024, vocab_size, seed=0)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, detokenize=False) for n in output_lens]
 else:
     prompts = [[rng.randrange(vocab_size) for _ in range(16)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
