@@ -238,10 +238,11 @@ class ModelRunner:
         with set_forward_context(meta):
             self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
         self._warm_up_decode_merge()
-        for module in self.model.modules():
-            if isinstance(module, LinearBase):
-                for tokens in (1, 2, 4):
-                    module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
+        # One layer of each kind and shape is enough: the variants do not depend on which weights.
+        linears = {(type(m), m.weight.shape, m.bias is None): m for m in self.model.modules() if isinstance(m, LinearBase)}
+        for module in linears.values():
+            for tokens in (1, 2, 4):
+                module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
 
     def _warm_up_decode_merge(self) -> None:

@@ -92,11 +92,6 @@ def _skinny_gemm_kernel(
 SKINNY_TILE = (4, 512, 4, 2, False)
 
 
-def skinny_gemm_tile(num_tokens: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice) for a [num_tokens, k] x [n, k] product."""
-    return SKINNY_TILE
-
-
 # --8<-- [start:skinny-gemm-wins]
 def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
     """Whether this kernel beats cuBLAS on a [num_tokens, k] x [n, k] product, on the H200.
@@ -128,12 +123,11 @@ def skinny_gemm(
         raise ValueError(f"skinny_gemm is for at most {SKINNY_MAX_TOKENS} tokens, got {m}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    weight = weight if weight.is_contiguous() else weight.contiguous()
+    weight = weight.contiguous()  # the kernel steps K elements from row to row
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tile = skinny_gemm_tile(m, n, k)
-    block_n, block_k = block_n or tile[0], block_k or tile[1]
-    num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
-    sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
+    block_n, block_k = block_n or SKINNY_TILE[0], block_k or SKINNY_TILE[1]
+    num_warps, num_stages = num_warps or SKINNY_TILE[2], num_stages or SKINNY_TILE[3]
+    sum_each_slice = SKINNY_TILE[4] if sum_each_slice is None else sum_each_slice
     if m > 0:
         _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
