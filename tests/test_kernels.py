@@ -65,11 +65,12 @@ def test_registry_lists_every_kernel_with_a_reference():
 @FAST
 @given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]), splits=st.integers(1, 3),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, dtype, seed):
+       heads_fastest=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, heads_fastest, dtype, seed):
+    # Both launch orders (sequences or KV heads fastest in the grid) compute the same thing.
     kernel, reference = KERNELS["paged_decode_attention"]
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
-    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits)
+    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, heads_fastest=heads_fastest)
     assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
 
 

@@ -110,10 +110,14 @@ def _decode_partial_kernel(
     out_ptr, out_stride_seq, out_stride_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # the KV heads of one sequence are neighbours in launch order (see the launcher)
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_size
@@ -191,7 +195,7 @@ def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, heads_fastest: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
@@ -219,13 +223,16 @@ def paged_decode_attention(
     rows = 1 if one_split else num_seqs * num_heads * num_splits
     mid_out = torch.empty(rows, head_dim, dtype=torch.float32, device=query.device)
     mid_ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+    if heads_fastest is None:
+        heads_fastest = DECODE_HEADS_FASTEST
+    grid = (num_kv_heads, num_seqs, num_splits) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
+    _decode_partial_kernel[grid](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
         block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
-        ONE_SPLIT=one_split, num_warps=num_warps, num_stages=num_stages,
+        ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
     )
     if one_split:
         return out
@@ -235,6 +242,9 @@ def paged_decode_attention(
     )
     return out
 # --8<-- [end:decode-launcher]
+
+
+DECODE_HEADS_FASTEST = False
 
 
 def decode_config(head_dim: int) -> tuple[int, int, int]:

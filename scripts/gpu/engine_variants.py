@@ -4,7 +4,8 @@
 
 VARIANT is `default` (the code as it is), `cublas` (the skinny GEMM never picked: every
 linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage collector),
-or `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64). It lets one GPU run compare defaults in the whole engine,
+`decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64), or
+`heads-fastest=0|1` (the decode kernel's launch order: sequences or KV heads fastest). It lets one GPU run compare defaults in the whole engine,
 where a kernel sweep alone can mislead.
 """
 
@@ -30,6 +31,10 @@ elif variant.startswith("decode="):
     default_config = paged.decode_config
     paged.decode_config = kernels.decode_config = (
         lambda head_dim: (block_n, warps, stages) if head_dim <= 64 else default_config(head_dim))
+elif variant.startswith("heads-fastest="):
+    import minivllm.kernels.paged_attention as paged
+
+    paged.DECODE_HEADS_FASTEST = variant.removeprefix("heads-fastest=") == "1"
 elif variant != "default":
     raise SystemExit(f"unknown variant {variant!r}")
 

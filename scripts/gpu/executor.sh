@@ -9,7 +9,9 @@
 # sweep-skinny (the skinny GEMM vs cuBLAS for 1-8 token batches) skinny (batch 1-4 steps with
 # and without it) decode-variants (head_dim-64 decode configurations in the engine) gc-freeze
 # (throughput with and without the frozen start-up heap) profile-nano (the step profile of the
-# throughput benchmark's own workload)
+# throughput benchmark's own workload) run-profile (the GPU's busy time and kernels over a whole
+# throughput run, both shapes, async) heads-fastest (throughput with the decode kernel's two
+# launch orders, both shapes, async)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -73,6 +75,16 @@ for part in $PARTS; do
     gc-freeze)  # offline throughput with the start-up heap frozen (default) and not, both shapes, async
       for shape in llama-3.2-1b qwen3-0.6b; do
         for v in default nofreeze; do
+          VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
+        done
+      done ;;
+    run-profile)
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        timeout 200 python3 scripts/gpu/run_profile.py --shape $shape --async-scheduling --json "$OUT/run-profile-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
+      done ;;
+    heads-fastest)
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        for v in heads-fastest=0 heads-fastest=1; do
           VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
         done
       done ;;

@@ -1,0 +1,94 @@
+"""Where the GPU's time goes over a whole throughput run (chapter 05).
+
+    python scripts/gpu/run_profile.py --shape llama-3.2-1b --async-scheduling --json run.json
+
+Runs `minivllm bench throughput`'s default workload (256 requests, prompt and output lengths
+uniform in [100, 1024], temperature 0.6) once to warm up, then once more under the torch
+profiler, recording only what runs on the GPU. Prints the run's wall time; the GPU's busy
+time (the union of all kernel and copy intervals), so `wall - busy` is the time the GPU
+waited for the host; and the kernel families by total time, each with its share of the run.
+A kernel family is its name without template arguments; the Triton kernels keep their names
+(`_decode_partial_kernel`, ...), cuBLAS's are grouped as `gemm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench.shapes import write_shape_folder
+from minivllm.bench.throughput import random_workload
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--shape", default="llama-3.2-1b")
+parser.add_argument("--async-scheduling", action="store_true")
+parser.add_argument("--top", type=int, default=18)
+parser.add_argument("--json", default=None)
+args = parser.parse_args()
+
+model = str(write_shape_folder(args.shape, tempfile.mkdtemp()))
+llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256,
+          gpu_memory_utilization=0.9, async_scheduling=args.async_scheduling)
+vocab_size = llm.llm_engine.config.model_config.vocab_size
+prompts, output_lens = random_workload(256, 100, 1024, vocab_size, seed=0)
+params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, detokenize=False) for n in output_lens]
+requests = [{"prompt_token_ids": p} for p in prompts]
+
+
+def family(name: str) -> str:
+    if re.search(r"gemm|nvjet|cutlass|sm90_xmma|cublas", name, re.IGNORECASE):
+        return "gemm (cuBLAS)"
+    name = re.sub(r"<.*", "", name)
+    name = re.sub(r"\(.*", "", name)
+    return name[:60]
+
+
+llm.generate(requests, params, use_tqdm=False)  # warm-up: the same run once
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+
+intervals, per_family = [], collections.defaultdict(lambda: [0, 0.0])
+for event in prof.profiler.kineto_results.events():
+    if event.device_type() != torch.autograd.DeviceType.CUDA or event.duration_ns() <= 0:
+        continue
+    begin, length = event.start_ns(), event.duration_ns()
+    intervals.append((begin, begin + length))
+    name = event.name() if callable(event.name) else event.name
+    row = per_family[family(name)]
+    row[0] += 1
+    row[1] += length / 1e9
+intervals.sort()
+busy, cur_begin, cur_end = 0, None, None
+for begin, end in intervals:  # the union of intervals: overlapping kernels count once
+    if cur_end is None or begin > cur_end:
+        if cur_end is not None:
+            busy += cur_end - cur_begin
+        cur_begin, cur_end = begin, end
+    else:
+        cur_end = max(cur_end, end)
+if cur_end is not None:
+    busy += cur_end - cur_begin
+busy_s = busy / 1e9
+span_s = (intervals[-1][1] - intervals[0][0]) / 1e9 if intervals else 0.0
+rows = sorted(({"family": k, "launches": v[0], "seconds": v[1]} for k, v in per_family.items()), key=lambda r: -r["seconds"])
+result = {"shape": args.shape, "async_scheduling": args.async_scheduling, "wall_s": wall, "gpu_busy_s": busy_s,
+          "gpu_span_s": span_s, "output_tokens": sum(output_lens), "rows": rows}
+print(f"\n== {args.shape} async={args.async_scheduling}: wall {wall:.3f} s (profiled), GPU busy {busy_s:.3f} s "
+      f"({busy_s / wall:.0%}), first-to-last kernel {span_s:.3f} s, {sum(output_lens) / wall:.0f} tok/s")
+print(f"{'kernel family':60s} {'launches':>9s} {'s':>7s} {'share':>6s}")
+for r in rows[: args.top]:
+    print(f"{r['family']:60s} {r['launches']:9d} {r['seconds']:7.3f} {r['seconds'] / wall:6.1%}")
+if args.json:
+    json.dump(result, open(args.json, "w"), indent=1)
