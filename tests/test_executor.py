@@ -163,6 +163,51 @@ def test_one_max_length_request_that_does_not_fit_is_refused_with_the_numbers(ti
     assert worker.memory_profile["activation_peak_GiB"] == 1.0, "the activation peak is the peak minus the weights"
 
 
+def test_reused_sampling_metadata_samples_what_rebuilt_metadata_samples(tiny_qwen3, monkeypatch):
+    """Decode steps that sample the same requests reuse the last step's sampling tensors; the
+    tokens must be those of rebuilding them every step, with penalties (which read each
+    request's growing output) and min_tokens (whose blocked stop tokens change) in the batch."""
+    import collections
+
+    from minivllm.executor import model_runner
+
+    folder, prompts = tiny_qwen3
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
+    plain = greedy_tokens(LLM(str(folder), **engine), prompts, max_tokens=12)
+    penalized = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False,
+                               frequency_penalty=1.5, repetition_penalty=1.3)
+    # Stop tokens the model wants to emit late: blocked for the first 6 outputs, then allowed.
+    params = [penalized if i % 2 else SamplingParams(
+        temperature=0.0, max_tokens=12, min_tokens=6, detokenize=False,
+        stop_token_ids=[collections.Counter(plain[i][6:]).most_common(1)[0][0]]) for i in range(len(prompts))]
+    builds: list[int] = []
+    real_build = model_runner.build_sampling_metadata
+    monkeypatch.setattr(model_runner, "build_sampling_metadata", lambda *a: builds.append(1) or real_build(*a))
+
+    def run() -> tuple[list[list[int]], list[str], list[list[int]]]:
+        llm = LLM(str(folder), **engine)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        only_penalized = llm.generate(requests, penalized, use_tqdm=False)  # reused from the second step on
+        return ([list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].finish_reason for o in outputs],
+                [list(o.outputs[0].token_ids) for o in only_penalized])
+
+    reused = run()
+    num_builds_reused = len(builds)
+    real_method = model_runner.ModelRunner._sampling_metadata
+
+    def rebuild_every_step(self, req_ids):
+        self.last_sampling_metadata = None
+        return real_method(self, req_ids)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_sampling_metadata", rebuild_every_step)
+    builds.clear()
+    rebuilt = run()
+    assert num_builds_reused < len(builds), "premise: some steps reused the last step's metadata"
+    assert "stop" in rebuilt[1][::2], "premise: a min_tokens request stopped on its stop token once allowed"
+    assert reused == rebuilt
+
+
 # -- persistent batch and padding ---------------------------------------------------------------
 
 
@@ -177,9 +222,10 @@ def test_rows_are_reused_and_a_resumed_request_gets_a_fresh_block_table():
     batch.add_request(CachedRequestState("b", [1], [], SamplingParams(), None), [9], num_computed_tokens=0)
     with pytest.raises(RuntimeError, match="full"):
         batch.add_request(CachedRequestState("c", [1], [], SamplingParams(), None), [1], 0)
-    batch.append_token("a", 8)
+    batch.append_tokens(["b", "a"], [4, 8])
     row = batch.req_id_to_row["a"]
     assert batch.token_ids_np[row, :4].tolist() == [5, 6, 7, 8] and a.output_token_ids == [8]
+    assert batch.token_ids_np[batch.req_id_to_row["b"], :2].tolist() == [1, 4] and batch.num_tokens[row] == 4
     batch.remove_request("b")
     batch.add_request(CachedRequestState("c", [2, 2], [], SamplingParams(), None), [1], 0)
     assert len(batch) == 2, "a finished request's row goes to the next request"

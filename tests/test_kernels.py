@@ -57,7 +57,7 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                             "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
-                            "skinny_gemm"}
+                            "skinny_gemm", "gumbel_sample"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
 
@@ -229,6 +229,88 @@ def test_skinny_gemm_is_picked_only_where_the_h200_sweep_measured_it_faster():
         tile = next(v for v in row["top"] if tuple(v[k] for k in keys) == SKINNY_TILE)
         assert tile["us"] < row["cublas_us"], (row["model"], row["matrix"], row["tokens"])
     assert picked >= 5
+
+
+@settings(max_examples=4 if not CUDA else 30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(num_rows=st.integers(1, 5), vocab_size=st.integers(2, 5000), dtype=st.sampled_from(DTYPES + [torch.float32]),
+       seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_gumbel_sample_picks_the_reference_token(num_rows, vocab_size, dtype, seed, data):
+    """Kernel and reference score every token from the same uniforms: the same token, except
+    where the best two scores of a row lie within float rounding (the kernel's log and the
+    reference's may round differently there)."""
+    kernel, reference = KERNELS["gumbel_sample"]
+    from minivllm.kernels.sampling import gumbel_uniforms
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(num_rows, vocab_size + 3, generator=g) * 3).to(dtype).to(DEVICE)[:, :vocab_size]  # a row stride > V
+    logits[:, data.draw(st.integers(0, vocab_size - 1))] = float("-inf")  # a masked token
+    temperature = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.3, 1.0, 1.7]), min_size=num_rows,
+                                                  max_size=num_rows)), device=DEVICE)
+    out, ref = kernel(logits, temperature, seed), reference(logits, temperature, seed)
+    uniforms = gumbel_uniforms(num_rows, vocab_size, seed, logits.device)
+    greedy = (temperature < 1e-5).unsqueeze(-1)
+    scores = torch.where(greedy, logits.float(), logits.float() / temperature.clamp_min(1e-5).unsqueeze(-1)
+                         - torch.log(-torch.log(uniforms)))
+    top2 = scores.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs().clamp_min(1.0)
+    assert out.dtype == torch.int64 and out.shape == (num_rows,)
+    assert torch.equal(out[decided], ref[decided]), f"kernel {out.tolist()} vs reference {ref.tolist()}"
+    assert torch.equal(out[temperature == 0], logits.float().argmax(-1)[temperature == 0]), "greedy rows take the argmax"
+
+
+def test_gumbel_uniforms_are_uniform_and_fresh_for_every_token_and_seed():
+    """The noise itself: uniform on (0, 1) (mean, deciles), different for every token, row and seed."""
+    from minivllm.kernels.sampling import gumbel_uniforms
+
+    u = gumbel_uniforms(3, 4000, 11, torch.device(DEVICE)).cpu().double()
+    assert (u > 0).all() and (u < 1).all()
+    n = u.numel()  # 12,000 draws: the mean has sd 0.29 / sqrt(n) = 0.0026; a decile's share sd 0.0027
+    assert abs(u.mean().item() - 0.5) < 5 * 0.0026
+    shares = torch.histc(u, bins=10, min=0, max=1) / n
+    assert (shares - 0.1).abs().max() < 5 * 0.0027, shares
+    assert len(torch.unique(u)) > 0.99 * n, "tokens or rows share their noise"
+    assert not torch.equal(u, gumbel_uniforms(3, 4000, 12, torch.device(DEVICE)).cpu().double()), "the seed must matter"
+
+
+def test_gumbel_max_samples_softmax_of_logits_over_temperature():
+    """The reference's formula with fresh uniforms, 200,000 draws per temperature, against
+    softmax(logits / T). A token of probability q appears Binomial(N, q) times: sd of its
+    frequency <= 0.5 / sqrt(N) = 0.0011; we allow 5 sd (a correct formula fails with
+    probability < 1e-6 per token; the seed is fixed). Using T instead of 1/T, or dropping it,
+    moves the top token by more than 0.1 at these temperatures."""
+    from minivllm.kernels.sampling import gumbel_max
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    n = 200_000
+    g = torch.Generator().manual_seed(0)
+    for t in (0.5, 2.0):
+        tokens = gumbel_max(logits.expand(n, -1), torch.full((n,), t), torch.rand(n, 6, generator=g))
+        freq = torch.bincount(tokens, minlength=6).double() / n
+        expected = torch.softmax(logits.double() / t, -1)
+        assert ((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()).all(), (t, freq, expected)
+
+
+def test_gumbel_sample_refuses_what_it_cannot_draw():
+    kernel, _ = KERNELS["gumbel_sample"]
+    logits = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="seed"):
+        kernel(logits, torch.ones(2, device=DEVICE), 2**31)
+    with pytest.raises(ValueError, match="unit stride"):
+        kernel(logits.t(), torch.ones(8, device=DEVICE), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the interpreter draws a row in ~10 ms")
+def test_gumbel_sample_kernel_draws_follow_softmax_on_the_gpu():
+    """The kernel's own draws (not only its formula): 100,000 rows of one distribution."""
+    kernel, _ = KERNELS["gumbel_sample"]
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")], device="cuda")
+    n = 100_000  # sd of a frequency <= 0.0016; 5 sd allowed, as in the test above
+    for t in (0.5, 2.0):
+        tokens = kernel(logits.expand(n, -1).to(torch.bfloat16).contiguous(), torch.full((n,), t, device="cuda"), 5)
+        freq = torch.bincount(tokens, minlength=6).double().cpu() / n
+        expected = torch.softmax(logits.double().cpu() / t, -1)
+        assert ((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()).all(), (t, freq, expected)
 
 
 def test_check_mode_raises_on_a_wrong_kernel(monkeypatch):

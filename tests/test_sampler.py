@@ -318,3 +318,53 @@ def test_metadata_leaves_unused_knobs_out():
     meta = metadata([greedy, seeded], generators=gens)
     assert list(meta.generators) == [1], "only random rows keep their generator"
     assert meta.top_k.tolist() == [0, 5] and meta.max_num_logprobs == 2 and not meta.no_penalties
+
+
+def test_one_pass_sampling_takes_only_the_batches_it_computes_exactly():
+    """The Gumbel-max kernel replaces temperature + softmax + the draw, nothing else: a batch
+    that asks for more (or has no random row, or a seeded one) keeps the PyTorch path."""
+    from types import SimpleNamespace
+
+    from minivllm.sample.sampler import one_pass_sampling_applies
+
+    on_gpu = SimpleNamespace(is_cuda=True)  # the rule reads only where the logits live
+    plain, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    assert one_pass_sampling_applies(on_gpu, metadata([plain, greedy])), "temperature only: one pass"
+    assert not one_pass_sampling_applies(torch.zeros(2, 4), metadata([plain, greedy])), "CPU logits"
+    assert not one_pass_sampling_applies(on_gpu, metadata([greedy, greedy])), "all greedy: one argmax already"
+    for knob in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5),
+                 dict(repetition_penalty=1.2), dict(min_tokens=3, stop_token_ids=[1])):
+        meta = metadata([plain, SamplingParams(temperature=0.7, **knob)])
+        assert not one_pass_sampling_applies(on_gpu, meta), f"{knob} needs the PyTorch path"
+    seeded = metadata([plain, SamplingParams(temperature=0.7, seed=3)], generators=[None, torch.Generator()])
+    assert not one_pass_sampling_applies(on_gpu, seeded), "a seeded row draws from its own generator"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_engine_draws_temperature_only_batches_in_one_pass_and_repeatably(tmp_path, monkeypatch):
+    """On a GPU a temperature-only batch goes through the Gumbel-max kernel; torch.manual_seed
+    repeats its draws, another seed changes them, and rows with the same prompt differ."""
+    import minivllm.kernels as kernels
+    from hf_reference import make_tiny_model
+    from minivllm import LLM
+
+    calls: list[str] = []
+    real_call_kernel = kernels.call_kernel
+    monkeypatch.setattr(kernels, "call_kernel", lambda name, *a, **k: calls.append(name) or real_call_kernel(name, *a, **k))
+    llm = LLM(str(make_tiny_model("llama", tmp_path)), skip_tokenizer_init=True, device="cuda", dtype="float32",
+              max_model_len=256, num_gpu_blocks_override=128)
+    # T = 2 flattens the tiny model's peaked next-token distributions: rows can differ.
+    params = SamplingParams(temperature=2.0, max_tokens=16, ignore_eos=True, detokenize=False)
+
+    def draws(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        outputs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 4, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    first, again, other = draws(0), draws(0), draws(1)
+    llm.llm_engine.engine_core.shutdown()
+    assert "gumbel_sample" in calls, "a temperature-only batch on the GPU must use the one-pass kernel"
+    assert first == again, "the same torch seed must repeat the draws"
+    assert first != other, "another seed must change them"
+    assert len({tuple(t) for t in first}) > 1, "rows of one prompt draw independent noise"

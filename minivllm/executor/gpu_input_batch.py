@@ -110,12 +110,16 @@ class InputBatch:
         self.block_table_np[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, req_id: str, token_id: int) -> None:
-        row = self.req_id_to_row[req_id]
-        if self.num_tokens[row] < self.max_model_len:  # a request's last token is never computed
-            self.token_ids_np[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
-        self.requests[req_id].output_token_ids.append(token_id)  # the sampler's penalties read it
+    def append_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Write each request's newly sampled token into its row (each request once): one
+        gather and one scatter for the whole step, not a numpy call per request."""
+        rows = self.rows_of(req_ids)
+        lengths = self.num_tokens[rows]
+        room = lengths < self.max_model_len  # a request's last token is never computed
+        self.token_ids_np[rows[room], lengths[room]] = np.asarray(token_ids, dtype=np.int32)[room]
+        self.num_tokens[rows] = lengths + 1
+        for req_id, token_id in zip(req_ids, token_ids):
+            self.requests[req_id].output_token_ids.append(token_id)  # the sampler's penalties read it
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         return np.fromiter((self.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))

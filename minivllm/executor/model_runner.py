@@ -35,7 +35,7 @@ from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
 from minivllm.models.layers.linear import LinearBase
 from minivllm.models.loader import get_model
-from minivllm.sample.metadata import build_sampling_metadata
+from minivllm.sample.metadata import SamplingMetadata, build_sampling_metadata
 from minivllm.sample.sampler import Sampler
 from minivllm.scheduler.output import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from minivllm.structured_output.bitmask import apply_grammar_bitmask
@@ -143,6 +143,7 @@ class ModelRunner:
         self.pending_src = _StepBuffers((self.max_num_reqs,), torch.long, device)
         self.sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(2)]
         self.last_sampled: SampledOnDevice | None = None
+        self.last_sampling_metadata: tuple[list[str], SamplingMetadata] | None = None
         self.num_steps_launched = 0
         self.sampler = Sampler()
         self.attn_backend = get_attention_backend(config.attention_backend, device)
@@ -217,8 +218,9 @@ class ModelRunner:
         argument properties; that takes a second or more, and in a running engine it would
         stall every request in the step. One mixed step (a decode, and a prefill continuing
         cached tokens) runs every kernel of the forward pass; then the decode merge kernel is
-        compiled for each split-tile size it can use, and the skinny GEMM for 1, 2 and 3-4
-        tokens on every linear layer. Nothing is written: every slot is -1.
+        compiled for each split-tile size it can use, the skinny GEMM for 1, 2 and 3-4
+        tokens on every linear layer, and the one-pass sampler for the model's logits.
+        Nothing is written: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
             return
@@ -243,6 +245,11 @@ class ModelRunner:
         for module in linears.values():
             for tokens in (1, 2, 4):
                 module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
+        from minivllm.kernels import gumbel_sample
+
+        hidden_size = self.config.model_config.hf_config.hidden_size
+        logits = self.model.compute_logits(torch.zeros(1, hidden_size, dtype=self.config.model_config.dtype, device=self.device))
+        gumbel_sample(logits, torch.ones(1, device=self.device), 0)
         torch.cuda.synchronize(self.device)
 
     def _warm_up_decode_merge(self) -> None:
@@ -344,17 +351,13 @@ class ModelRunner:
                 hidden_states = self.forward(self.input_ids.gpu[: step.num_tokens], self.positions.gpu[: step.num_tokens])
         if not step.sample_rows:
             return AsyncModelRunnerOutput(lambda: ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]))
-        logits = self.model.compute_logits(hidden_states[step.logits_indices]).float()
-        states = [self.input_batch.requests[step.req_ids[i]] for i in step.sample_rows]
-        sampling_metadata = build_sampling_metadata(
-            [s.sampling_params for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            [s.generator for s in states],
-            self.device,
-        )
+        # In the model's dtype: the sampler upcasts where it computes (the one-pass kernel in
+        # its registers, saving a float32 copy of [B, V]).
+        logits = self.model.compute_logits(hidden_states[step.logits_indices])
+        sampled_req_ids = [step.req_ids[i] for i in step.sample_rows]
+        sampling_metadata = self._sampling_metadata(sampled_req_ids)
         # Structured output (chapter 11): tokens a request's grammar forbids get logit -inf.
-        logits = apply_grammar_bitmask(logits, [step.req_ids[i] for i in step.sample_rows], scheduler_output)
+        logits = apply_grammar_bitmask(logits, sampled_req_ids, scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
         sampled = sampler_output.sampled_token_ids
         self.num_steps_launched += 1
@@ -368,6 +371,29 @@ class ModelRunner:
             copied.record()
         return AsyncModelRunnerOutput(lambda: self._finish_step(step, step_id, host_tokens, copied, sampler_output))
 
+    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        """The sampling tensors of the requests sampled this step, in this order.
+
+        Most decode steps sample the same requests as the step before, one token further: then
+        the last step's tensors are reused, as vLLM refreshes its sampling metadata only when
+        the persistent batch changed. Only min_tokens depends on a request's progress (its
+        stop tokens are blocked until it has enough outputs); while it blocks any, rebuild.
+        Penalties read the requests' live output lists, so reused metadata sees new tokens.
+        """
+        last = self.last_sampling_metadata
+        if last is not None and last[0] == req_ids and not last[1].min_tokens_blocked:
+            return last[1]
+        states = [self.input_batch.requests[r] for r in req_ids]
+        metadata = build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.device,
+        )
+        self.last_sampling_metadata = (req_ids, metadata)
+        return metadata
+
     def _finish_step(self, step: StepInputs, step_id: int, host_tokens: torch.Tensor,
                      copied: torch.cuda.Event | None, sampler_output) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; record them in the persistent batch."""
@@ -375,13 +401,17 @@ class ModelRunner:
             copied.synchronize()
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         output = ModelRunnerOutput(step.req_ids, sampled_ids)
-        for i, token_id in zip(step.sample_rows, host_tokens.tolist()):
+        token_ids = host_tokens.tolist()
+        kept_ids, kept_tokens = [], []
+        for i, token_id in zip(step.sample_rows, token_ids):
             req_id = step.req_ids[i]
             # With async scheduling the next step was prepared meanwhile and may have dropped
             # the request (finished, aborted, preempted): its row is gone, nothing to record.
             if req_id in self.input_batch:
-                self.input_batch.append_token(req_id, token_id)
+                kept_ids.append(req_id)
+                kept_tokens.append(token_id)
             sampled_ids[i] = [token_id]
+        self.input_batch.append_tokens(kept_ids, kept_tokens)
         if self.last_sampled is not None and self.last_sampled.step_id == step_id:
             self.last_sampled = None  # the host holds these tokens now
         if sampler_output.logprobs is not None:

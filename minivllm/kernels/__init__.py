@@ -31,6 +31,7 @@ from minivllm.kernels.paged_attention import (
 from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 from minivllm.kernels.gemm import SKINNY_MAX_TOKENS, skinny_gemm, skinny_gemm_reference
+from minivllm.kernels.sampling import gumbel_sample, gumbel_sample_reference
 from minivllm.kernels.rotary import (
     qk_norm_rotary_embedding,
     qk_norm_rotary_embedding_reference,
@@ -48,6 +49,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "qk_norm_rotary_embedding": (qk_norm_rotary_embedding, qk_norm_rotary_embedding_reference),
     "silu_and_mul": (silu_and_mul, silu_and_mul_reference),
     "skinny_gemm": (skinny_gemm, skinny_gemm_reference),
+    "gumbel_sample": (gumbel_sample, gumbel_sample_reference),
 }
 # --8<-- [end:registry]
 
@@ -81,9 +83,9 @@ def jit_functions() -> list:
     """Every `@triton.jit` function of minivllm's kernels (for counting or forgetting compiles)."""
     import triton
 
-    from minivllm.kernels import activation, gemm, paged_attention, reshape_and_cache, rms_norm, rotary
+    from minivllm.kernels import activation, gemm, paged_attention, reshape_and_cache, rms_norm, rotary, sampling
 
-    modules = (activation, gemm, paged_attention, reshape_and_cache, rms_norm, rotary)
+    modules = (activation, gemm, paged_attention, reshape_and_cache, rms_norm, rotary, sampling)
     return [obj for module in modules for obj in vars(module).values() if isinstance(obj, triton.runtime.JITFunction)]
 
 

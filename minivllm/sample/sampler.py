@@ -40,24 +40,31 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    # --8<-- [start:sampler-forward]
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
 
-        # Every function below returns a new tensor, so the caller's logits stay untouched.
-        logits = logits.to(torch.float32)
-        logits = apply_min_tokens(logits, metadata.min_tokens_blocked)
-        if not metadata.no_penalties:
-            logits = apply_penalties(
-                logits,
-                metadata.prompt_token_ids,
-                metadata.output_token_ids,
-                metadata.repetition_penalties,
-                metadata.presence_penalties,
-                metadata.frequency_penalties,
-            )
-        sampled = self.sample(logits, metadata)
+        if one_pass_sampling_applies(logits, metadata):
+            # Temperature and the draw in one read of the logits (kernels/sampling.py).
+            from minivllm.kernels import call_kernel
+
+            sampled = call_kernel("gumbel_sample", logits, metadata.temperature, draw_seed())
+        else:
+            # Every function below returns a new tensor, so the caller's logits stay untouched.
+            logits = logits.to(torch.float32)
+            logits = apply_min_tokens(logits, metadata.min_tokens_blocked)
+            if not metadata.no_penalties:
+                logits = apply_penalties(
+                    logits,
+                    metadata.prompt_token_ids,
+                    metadata.output_token_ids,
+                    metadata.repetition_penalties,
+                    metadata.presence_penalties,
+                    metadata.frequency_penalties,
+                )
+            sampled = self.sample(logits, metadata)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -65,6 +72,7 @@ class Sampler(torch.nn.Module):
             raw_logprobs, sampled, metadata.max_num_logprobs
         )
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+    # --8<-- [end:sampler-forward]
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax. Random rows: temperature, min-p, top-k/top-p, then a draw."""
@@ -84,6 +92,31 @@ class Sampler(torch.nn.Module):
         if greedy is None:
             return random
         return torch.where(metadata.temperature < _GREEDY_TEMPERATURE, greedy, random)
+
+
+# --8<-- [start:one-pass-sampling]
+def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    """Can this step's draw be the one-pass Gumbel-max kernel instead of the steps above?
+
+    On a GPU, when the batch asks for temperature and nothing else: no top-k, top-p or min-p
+    (they need the sorted or normalized row), no penalties or min_tokens (they rewrite the
+    logits first), no seeded row (its noise must come from its own generator, whatever the
+    batch), and some row samples at random (an all-greedy batch is one argmax already).
+    """
+    return (
+        logits.is_cuda
+        and not metadata.all_greedy
+        and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+        and metadata.no_penalties and not metadata.min_tokens_blocked
+        and not metadata.generators
+    )
+
+
+def draw_seed() -> int:
+    """A fresh key for the kernel's noise, from torch's default generator (so
+    `torch.manual_seed` makes a run repeatable, as it does for the PyTorch path)."""
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+# --8<-- [end:one-pass-sampling]
 
 
 # --8<-- [start:compute-logprobs]

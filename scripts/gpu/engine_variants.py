@@ -5,7 +5,8 @@
 VARIANT is `default` (the code as it is), `cublas` (the skinny GEMM never picked: every
 linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage collector),
 `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64), or
-`heads-fastest=0|1` (the decode kernel's launch order: sequences or KV heads fastest). It lets one GPU run compare defaults in the whole engine,
+`heads-fastest=0|1` (the decode kernel's launch order: sequences or KV heads fastest), or
+`torch-sampler` (every batch sampled by the PyTorch path, never the one-pass kernel). It lets one GPU run compare defaults in the whole engine,
 where a kernel sweep alone can mislead.
 """
 
@@ -35,6 +36,10 @@ elif variant.startswith("heads-fastest="):
     import minivllm.kernels.paged_attention as paged
 
     paged.DECODE_HEADS_FASTEST = variant.removeprefix("heads-fastest=") == "1"
+elif variant == "torch-sampler":
+    import minivllm.sample.sampler as sampler
+
+    sampler.one_pass_sampling_applies = lambda logits, metadata: False
 elif variant != "default":
     raise SystemExit(f"unknown variant {variant!r}")
 

@@ -11,7 +11,8 @@
 # (throughput with and without the frozen start-up heap) profile-nano (the step profile of the
 # throughput benchmark's own workload) run-profile (the GPU's busy time and kernels over a whole
 # throughput run, both shapes, async) heads-fastest (throughput with the decode kernel's two
-# launch orders, both shapes, async)
+# launch orders, both shapes, async) sampler (throughput with the one-pass sampling kernel and
+# with the PyTorch sampler, both shapes, async) sampler-tests
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -79,7 +80,7 @@ for part in $PARTS; do
         done
       done ;;
     run-profile)
-      for shape in llama-3.2-1b qwen3-0.6b; do
+      for shape in ${RUN_PROFILE_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
         timeout 200 python3 scripts/gpu/run_profile.py --shape $shape --async-scheduling --json "$OUT/run-profile-$shape.json" 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
     heads-fastest)
@@ -88,6 +89,14 @@ for part in $PARTS; do
           VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
         done
       done ;;
+    sampler)
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        for v in default torch-sampler; do
+          VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
+        done
+      done ;;
+    sampler-tests)
+      timeout 300 python3 -m pytest tests/test_kernels.py tests/test_sampler.py tests/test_executor.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;
     decode-variants)  # head_dim-64 decode configurations in the whole engine (Llama, offline, async)
       for v in default decode=128,8,3 decode=64,4,3; do
         VARIANT=$v bench "throughput-llama-async-$v" throughput --shape llama-3.2-1b --async-scheduling

@@ -8,7 +8,10 @@ profiler, recording only what runs on the GPU. Prints the run's wall time; the G
 time (the union of all kernel and copy intervals), so `wall - busy` is the time the GPU
 waited for the host; and the kernel families by total time, each with its share of the run.
 A kernel family is its name without template arguments; the Triton kernels keep their names
-(`_decode_partial_kernel`, ...), cuBLAS's are grouped as `gemm`.
+(`_decode_partial_kernel`, ...), cuBLAS's are grouped as `gemm`. Then the run cut into
+`--windows` equal spans of time: in each, the GPU's busy share, the steps the host launched
+and their mean batch (running requests), which shows in which phase of the run (prefill,
+full batches, the shrinking tail) the GPU waits for the host.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--shape", default="llama-3.2-1b")
 parser.add_argument("--async-scheduling", action="store_true")
 parser.add_argument("--top", type=int, default=18)
+parser.add_argument("--windows", type=int, default=16)
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 
@@ -51,8 +55,19 @@ def family(name: str) -> str:
     return name[:60]
 
 
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+steps: list[tuple[float, int]] = []  # (host time of each schedule() call, requests running then)
+schedule = scheduler.schedule
+
+
+def recorded_schedule():
+    steps.append((time.perf_counter(), len(scheduler.running)))
+    return schedule()
+
+
 llm.generate(requests, params, use_tqdm=False)  # warm-up: the same run once
 torch.cuda.synchronize()
+scheduler.schedule = recorded_schedule
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     start = time.perf_counter()
     llm.generate(requests, params, use_tqdm=False)
@@ -82,13 +97,34 @@ if cur_end is not None:
     busy += cur_end - cur_begin
 busy_s = busy / 1e9
 span_s = (intervals[-1][1] - intervals[0][0]) / 1e9 if intervals else 0.0
+# Per window of the run: the GPU's busy share (kernel intervals clipped to the window; the GPU
+# clock starts at the first kernel, the host clock at generate(): a millisecond apart at most).
+gpu0, window_s = intervals[0][0] if intervals else 0, wall / args.windows
+windows = []
+for w in range(args.windows):
+    lo, hi = gpu0 + int(w * window_s * 1e9), gpu0 + int((w + 1) * window_s * 1e9)
+    covered, last_end = 0, lo
+    for begin, end in intervals:
+        if end <= lo or begin >= hi:
+            continue
+        begin, end = max(begin, last_end), min(end, hi)
+        if end > begin:
+            covered += end - begin
+            last_end = end
+    batch = [n for t, n in steps if w * window_s <= t - start < (w + 1) * window_s]
+    windows.append({"start_s": w * window_s, "gpu_busy": covered / (window_s * 1e9), "steps": len(batch),
+                    "mean_running": sum(batch) / max(len(batch), 1)})
 rows = sorted(({"family": k, "launches": v[0], "seconds": v[1]} for k, v in per_family.items()), key=lambda r: -r["seconds"])
 result = {"shape": args.shape, "async_scheduling": args.async_scheduling, "wall_s": wall, "gpu_busy_s": busy_s,
-          "gpu_span_s": span_s, "output_tokens": sum(output_lens), "rows": rows}
+          "gpu_span_s": span_s, "output_tokens": sum(output_lens), "rows": rows, "windows": windows}
 print(f"\n== {args.shape} async={args.async_scheduling}: wall {wall:.3f} s (profiled), GPU busy {busy_s:.3f} s "
       f"({busy_s / wall:.0%}), first-to-last kernel {span_s:.3f} s, {sum(output_lens) / wall:.0f} tok/s")
 print(f"{'kernel family':60s} {'launches':>9s} {'s':>7s} {'share':>6s}")
 for r in rows[: args.top]:
     print(f"{r['family']:60s} {r['launches']:9d} {r['seconds']:7.3f} {r['seconds'] / wall:6.1%}")
+print(f"{'from s':>7s} {'GPU busy':>8s} {'steps':>6s} {'ms/step':>8s} {'running':>8s}")
+for w in windows:
+    print(f"{w['start_s']:7.2f} {w['gpu_busy']:8.0%} {w['steps']:6d} {window_s * 1e3 / max(w['steps'], 1):8.2f} "
+          f"{w['mean_running']:8.0f}")
 if args.json:
     json.dump(result, open(args.json, "w"), indent=1)

@@ -1,0 +1,142 @@
+"""Sampling in one pass over the logits, in Triton: the Gumbel-max trick (chapter 06).
+
+The sampler's PyTorch path takes a batch of logits through temperature, softmax and the
+exponential race (`sample_exponential_race`), each a pass over [B, V] float32 values: at 256
+rows of a 128k-token vocabulary that is about eight passes of 131 MB a step. The same draw
+needs one read of the logits:
+
+    argmax_v  p_v / E_v  =  argmax_v  (log p_v - log E_v)  =  argmax_v  (logits_v / T + G_v)
+
+with E_v ~ Exp(1), so G_v = -log E_v = -log(-log U_v) ~ Gumbel(0, 1) for U_v uniform in
+(0, 1). `log p_v` is `logits_v / T` minus the row's log-sum-exp, the same for every token of
+the row, so it drops out of the argmax: no softmax, no normalization, no second pass.
+
+One program per row walks the row in tiles of 4 x SUB tokens. Triton's Philox generator is
+counter-based: `tl.rand4x(seed, counter)` gives four uniforms per counter, a pure function of
+(seed, counter), so each (row, tile, lane) gets its own counter and every token its own
+uniform, with no state between steps but the seed the caller draws. Each lane keeps its best
+score and token so far; at the end the row's best lane wins (the lowest token id among
+exact ties). A greedy row (temperature below 1e-5, as `SamplingParams` counts it) adds no
+noise: its plain argmax.
+
+The reference computes the same scores in PyTorch from the same uniforms, which
+`gumbel_uniforms` writes out with the kernel's own counter layout; chapter 06's test also
+checks the kernel's draws against softmax(logits / T) directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GUMBEL_SUB = 512  # tokens per lane group; a tile is 4 groups (one Philox call gives 4 uniforms)
+GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (SamplingParams' cut-off)
+
+
+def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """The same draw in PyTorch, from the same uniforms as the kernel."""
+    return gumbel_max(logits, temperature, gumbel_uniforms(logits.shape[0], logits.shape[1], seed, logits.device))
+
+
+# --8<-- [start:gumbel-max]
+def gumbel_max(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / T - log(-log U)) per row, for uniforms U of the same shape; greedy rows
+    (T < 1e-5) take argmax(logits). With U uniform, a row's token follows softmax(logits / T)."""
+    greedy = temperature < GREEDY_TEMPERATURE
+    # x * (1 / T), as the kernel computes it, so both round alike.
+    scaled = logits.float() * (1.0 / torch.where(greedy, 1.0, temperature)).unsqueeze(-1)
+    scores = torch.where(greedy.unsqueeze(-1), logits.float(), scaled - torch.log(-torch.log(uniforms)))
+    return scores.argmax(dim=-1)
+# --8<-- [end:gumbel-max]
+
+
+# --8<-- [start:gumbel-kernel]
+@triton.jit
+def _fold_tile(best, best_token, row_logits, tokens, uniforms, vocab_size, inv_temperature, greedy):
+    """Score one group of tokens and keep, per lane, the best score and its token so far."""
+    x = tl.load(row_logits + tokens, mask=tokens < vocab_size, other=float("-inf")).to(tl.float32)
+    gumbel = -tl.log(-tl.log(uniforms))  # a uniform of exactly 0 gives -inf: never chosen
+    score = tl.where(greedy, x, x * inv_temperature + gumbel)
+    better = score > best  # strict: an earlier (lower) token id keeps a tie
+    return tl.where(better, score, best), tl.where(better, tokens, best_token)
+
+
+# The seed changes every step: left unspecialized, it never causes a recompile.
+@triton.jit(do_not_specialize=["seed"])
+def _gumbel_sample_kernel(
+    logits_ptr, logits_stride, temperature_ptr, out_ptr, seed, vocab_size, num_tiles,
+    SUB: tl.constexpr,
+):
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature < 1e-5  # GREEDY_TEMPERATURE
+    inv_temperature = tl.div_rn(1.0, tl.where(greedy, 1.0, temperature))
+    row_logits = logits_ptr + row.to(tl.int64) * logits_stride
+    lanes = tl.arange(0, SUB)
+    best = tl.full([SUB], float("-inf"), tl.float32)
+    best_token = tl.zeros([SUB], tl.int32)
+    for tile in range(0, num_tiles):
+        u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * SUB + lanes)
+        base = tile * 4 * SUB + lanes
+        best, best_token = _fold_tile(best, best_token, row_logits, base, u0, vocab_size, inv_temperature, greedy)
+        best, best_token = _fold_tile(best, best_token, row_logits, base + SUB, u1, vocab_size, inv_temperature, greedy)
+        best, best_token = _fold_tile(best, best_token, row_logits, base + 2 * SUB, u2, vocab_size, inv_temperature, greedy)
+        best, best_token = _fold_tile(best, best_token, row_logits, base + 3 * SUB, u3, vocab_size, inv_temperature, greedy)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_token, vocab_size), axis=0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+# --8<-- [end:gumbel-kernel]
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _uniforms_kernel(out_ptr, seed, vocab_size, num_tiles, SUB: tl.constexpr):
+    """The kernel's uniforms, written at [row, token]: the reference's noise."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    lanes = tl.arange(0, SUB)
+    u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * SUB + lanes)
+    row_out = out_ptr + row.to(tl.int64) * vocab_size
+    base = tile * 4 * SUB + lanes
+    tl.store(row_out + base, u0, mask=base < vocab_size)
+    tl.store(row_out + base + SUB, u1, mask=base + SUB < vocab_size)
+    tl.store(row_out + base + 2 * SUB, u2, mask=base + 2 * SUB < vocab_size)
+    tl.store(row_out + base + 3 * SUB, u3, mask=base + 3 * SUB < vocab_size)
+
+
+def _num_tiles(num_rows: int, vocab_size: int) -> int:
+    num_tiles = triton.cdiv(vocab_size, 4 * GUMBEL_SUB)
+    if num_rows * num_tiles * GUMBEL_SUB >= 2**31:  # Philox counters are 32-bit
+        raise ValueError(f"gumbel_sample: {num_rows} rows x {vocab_size} tokens is too large for one launch")
+    return num_tiles
+
+
+def gumbel_uniforms(num_rows: int, vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, vocab_size] float32: the uniform that `gumbel_sample(..., seed)` draws for each token."""
+    num_tiles = _num_tiles(num_rows, vocab_size)
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    if num_rows:
+        _uniforms_kernel[(num_rows, num_tiles)](out, seed, vocab_size, num_tiles, SUB=GUMBEL_SUB)
+    return out
+
+
+# --8<-- [start:gumbel-launcher]
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """One token per row of `logits` [B, V] (any float dtype, unit stride along V), drawn from
+    softmax(logits / temperature) (float32 [B]; rows below 1e-5 take the argmax); int64 [B].
+
+    `seed` (0 <= seed < 2**31) keys the noise: the same seed and logits give the same tokens.
+    """
+    num_rows, vocab_size = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("gumbel_sample needs unit stride along the vocabulary")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"gumbel_sample: seed must be in [0, 2**31), got {seed}")
+    num_tiles = _num_tiles(num_rows, vocab_size)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows:
+        _gumbel_sample_kernel[(num_rows,)](
+            logits, logits.stride(0), temperature, out, seed, vocab_size, num_tiles, SUB=GUMBEL_SUB, num_warps=4
+        )
+    return out
+# --8<-- [end:gumbel-launcher]
