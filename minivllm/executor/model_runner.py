@@ -249,7 +249,8 @@ class ModelRunner:
 
         hidden_size = self.config.model_config.hf_config.hidden_size
         logits = self.model.compute_logits(torch.zeros(1, hidden_size, dtype=self.config.model_config.dtype, device=self.device))
-        gumbel_sample(logits, torch.ones(1, device=self.device), 0)
+        for num_splits in (1, 2):  # a whole row per program, and split rows with their merge
+            gumbel_sample(logits, torch.ones(1, device=self.device), 0, num_splits=num_splits)
         torch.cuda.synchronize(self.device)
 
     def _warm_up_decode_merge(self) -> None:

@@ -11,13 +11,15 @@ with E_v ~ Exp(1), so G_v = -log E_v = -log(-log U_v) ~ Gumbel(0, 1) for U_v uni
 (0, 1). `log p_v` is `logits_v / T` minus the row's log-sum-exp, the same for every token of
 the row, so it drops out of the argmax: no softmax, no normalization, no second pass.
 
-One program per row walks the row in tiles of 4 x SUB tokens. Triton's Philox generator is
+A program walks a row in tiles of 4 x SUB tokens. Triton's Philox generator is
 counter-based: `tl.rand4x(seed, counter)` gives four uniforms per counter, a pure function of
 (seed, counter), so each (row, tile, lane) gets its own counter and every token its own
 uniform, with no state between steps but the seed the caller draws. Each lane keeps its best
-score and token so far; at the end the row's best lane wins (the lowest token id among
-exact ties). A greedy row (temperature below 1e-5, as `SamplingParams` counts it) adds no
-noise: its plain argmax.
+score and token so far; at the end the best lane wins (the lowest token id among exact
+ties). A greedy row (temperature below 1e-5, as `SamplingParams` counts it) adds no noise:
+its plain argmax. With few rows, each row is cut into splits of whole tiles, one program
+each, and a merge kernel takes each row's best split: one row of a 128k vocabulary would
+otherwise be a single program doing all the work while the rest of the GPU idles.
 
 The reference computes the same scores in PyTorch from the same uniforms, which
 `gumbel_uniforms` writes out with the kernel's own counter layout; chapter 06's test also
@@ -29,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels._utils import next_power_of_2
 
 GUMBEL_SUB = 512  # tokens per lane group; a tile is 4 groups (one Philox call gives 4 uniforms)
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (SamplingParams' cut-off)
@@ -62,13 +66,16 @@ def _fold_tile(best, best_token, row_logits, tokens, uniforms, vocab_size, inv_t
     return tl.where(better, score, best), tl.where(better, tokens, best_token)
 
 
-# The seed changes every step: left unspecialized, it never causes a recompile.
-@triton.jit(do_not_specialize=["seed"])
+# The seed changes every step and the split length with the batch: left unspecialized,
+# neither causes a recompile.
+@triton.jit(do_not_specialize=["seed", "tiles_per_split"])
 def _gumbel_sample_kernel(
-    logits_ptr, logits_stride, temperature_ptr, out_ptr, seed, vocab_size, num_tiles,
-    SUB: tl.constexpr,
+    logits_ptr, logits_stride, temperature_ptr, out_ptr, part_score_ptr, part_token_ptr,
+    seed, vocab_size, num_tiles, tiles_per_split,
+    SUB: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature < 1e-5  # GREEDY_TEMPERATURE
     inv_temperature = tl.div_rn(1.0, tl.where(greedy, 1.0, temperature))
@@ -76,7 +83,10 @@ def _gumbel_sample_kernel(
     lanes = tl.arange(0, SUB)
     best = tl.full([SUB], float("-inf"), tl.float32)
     best_token = tl.zeros([SUB], tl.int32)
-    for tile in range(0, num_tiles):
+    first_tile = split * tiles_per_split
+    for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+        # The counter names (row, tile, lane), not the split: the noise is the same however
+        # the row is split.
         u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * SUB + lanes)
         base = tile * 4 * SUB + lanes
         best, best_token = _fold_tile(best, best_token, row_logits, base, u0, vocab_size, inv_temperature, greedy)
@@ -85,7 +95,23 @@ def _gumbel_sample_kernel(
         best, best_token = _fold_tile(best, best_token, row_logits, base + 3 * SUB, u3, vocab_size, inv_temperature, greedy)
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_token, vocab_size), axis=0)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    if ONE_SPLIT:
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:  # this split's best, for the merge
+        tl.store(part_score_ptr + row * tl.num_programs(1) + split, top)
+        tl.store(part_token_ptr + row * tl.num_programs(1) + split, token)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _gumbel_merge_kernel(part_score_ptr, part_token_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr):
+    """Each row's best split wins; among exact ties the lowest token (splits are in token order)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < num_splits
+    score = tl.load(part_score_ptr + row * num_splits + offs, mask=mask, other=float("-inf"))
+    token = tl.load(part_token_ptr + row * num_splits + offs, mask=mask, other=2**31 - 1)
+    top = tl.max(score, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(mask & (score == top), token, 2**31 - 1), axis=0).to(tl.int64))
 # --8<-- [end:gumbel-kernel]
 
 
@@ -104,39 +130,65 @@ def _uniforms_kernel(out_ptr, seed, vocab_size, num_tiles, SUB: tl.constexpr):
     tl.store(row_out + base + 3 * SUB, u3, mask=base + 3 * SUB < vocab_size)
 
 
-def _num_tiles(num_rows: int, vocab_size: int) -> int:
-    num_tiles = triton.cdiv(vocab_size, 4 * GUMBEL_SUB)
-    if num_rows * num_tiles * GUMBEL_SUB >= 2**31:  # Philox counters are 32-bit
+def _num_tiles(num_rows: int, vocab_size: int, sub: int = GUMBEL_SUB) -> int:
+    num_tiles = triton.cdiv(vocab_size, 4 * sub)
+    if num_rows * num_tiles * sub >= 2**31:  # Philox counters are 32-bit
         raise ValueError(f"gumbel_sample: {num_rows} rows x {vocab_size} tokens is too large for one launch")
     return num_tiles
 
 
-def gumbel_uniforms(num_rows: int, vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab_size] float32: the uniform that `gumbel_sample(..., seed)` draws for each token."""
-    num_tiles = _num_tiles(num_rows, vocab_size)
+def gumbel_uniforms(num_rows: int, vocab_size: int, seed: int, device: torch.device, sub: int = GUMBEL_SUB) -> torch.Tensor:
+    """[num_rows, vocab_size] float32: the uniform that `gumbel_sample(..., seed, sub=sub)` draws for each token."""
+    num_tiles = _num_tiles(num_rows, vocab_size, sub)
     out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
     if num_rows:
-        _uniforms_kernel[(num_rows, num_tiles)](out, seed, vocab_size, num_tiles, SUB=GUMBEL_SUB)
+        _uniforms_kernel[(num_rows, num_tiles)](out, seed, vocab_size, num_tiles, SUB=sub)
     return out
 
 
 # --8<-- [start:gumbel-launcher]
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seed: int,
+    num_splits: int | None = None, num_warps: int = 4, sub: int = GUMBEL_SUB,
+) -> torch.Tensor:
     """One token per row of `logits` [B, V] (any float dtype, unit stride along V), drawn from
     softmax(logits / temperature) (float32 [B]; rows below 1e-5 take the argmax); int64 [B].
 
-    `seed` (0 <= seed < 2**31) keys the noise: the same seed and logits give the same tokens.
+    `seed` (0 <= seed < 2**31) keys the noise: the same seed and logits give the same tokens,
+    whatever `num_splits`. A few rows are each cut into splits so that enough programs run
+    (a lone row would otherwise be one program walking the whole vocabulary); a merge
+    kernel then picks each row's best split.
     """
     num_rows, vocab_size = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("gumbel_sample needs unit stride along the vocabulary")
     if not 0 <= seed < 2**31:
         raise ValueError(f"gumbel_sample: seed must be in [0, 2**31), got {seed}")
-    num_tiles = _num_tiles(num_rows, vocab_size)
+    num_tiles = _num_tiles(num_rows, vocab_size, sub)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows:
-        _gumbel_sample_kernel[(num_rows,)](
-            logits, logits.stride(0), temperature, out, seed, vocab_size, num_tiles, SUB=GUMBEL_SUB, num_warps=4
-        )
+    if not num_rows:
+        return out
+    if num_splits is None:
+        num_splits = gumbel_num_splits(num_rows, num_tiles, logits.device)
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)
+    one_split = num_splits == 1
+    parts = 1 if one_split else num_rows * num_splits  # with one split the partial buffers stay unused
+    part_score = torch.empty(parts, dtype=torch.float32, device=logits.device)
+    part_token = torch.empty(parts, dtype=torch.int32, device=logits.device)
+    _gumbel_sample_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), temperature, out, part_score, part_token, seed, vocab_size, num_tiles, tiles_per_split,
+        SUB=sub, ONE_SPLIT=one_split, num_warps=num_warps,
+    )
+    if not one_split:
+        # One merge variant per vocabulary: its split tile covers the most splits there can be.
+        _gumbel_merge_kernel[(num_rows,)](part_score, part_token, out, num_splits,
+                                          BLOCK_S=max(16, next_power_of_2(num_tiles)))
     return out
 # --8<-- [end:gumbel-launcher]
+
+
+def gumbel_num_splits(num_rows: int, num_tiles: int, device: torch.device, programs_per_sm: int = 4) -> int:
+    """Splits per row: enough programs to fill every SM a few times over, at most one a tile."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(num_tiles, triton.cdiv(programs_per_sm * num_sms, num_rows)))

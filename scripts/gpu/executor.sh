@@ -12,7 +12,8 @@
 # throughput benchmark's own workload) run-profile (the GPU's busy time and kernels over a whole
 # throughput run, both shapes, async) heads-fastest (throughput with the decode kernel's two
 # launch orders, both shapes, async) sampler (throughput with the one-pass sampling kernel and
-# with the PyTorch sampler, both shapes, async) sampler-tests
+# with the PyTorch sampler, both shapes, async) sampler-tests sweep-sampler (the kernel's launch
+# settings against the PyTorch sampler, 1-256 rows)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -95,6 +96,8 @@ for part in $PARTS; do
           VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
         done
       done ;;
+    sweep-sampler)  # the one-pass sampling kernel's launch settings against the PyTorch sampler
+      timeout 200 python3 scripts/gpu/sweep_sampler.py --json "$OUT/sampler-sweep.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
     sampler-tests)
       timeout 300 python3 -m pytest tests/test_kernels.py tests/test_sampler.py tests/test_executor.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;
     decode-variants)  # head_dim-64 decode configurations in the whole engine (Llama, offline, async)

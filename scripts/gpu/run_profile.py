@@ -66,6 +66,7 @@ def recorded_schedule():
 
 
 llm.generate(requests, params, use_tqdm=False)  # warm-up: the same run once
+llm.reset_prefix_cache()  # the profiled run prefills its prompts again, as the benchmark's run does
 torch.cuda.synchronize()
 scheduler.schedule = recorded_schedule
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
