@@ -60,7 +60,7 @@ for part in $PARTS; do
         timeout 120 python3 scripts/gpu/step_profile.py --workload decode --batch $b --tokens 64 --caching off --top 12 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
     profile-nano)  # where the throughput benchmark's own steps spend their time, both shapes, async
-      for shape in llama-3.2-1b qwen3-0.6b; do
+      for shape in ${PROFILE_NANO_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
         timeout 150 python3 scripts/gpu/step_profile.py --shape $shape --workload nano --top 20 --async-scheduling 2>&1 | grep -v "\[transformers\]" | tee -a "$LOG"
       done ;;
     profile-llama)  # the Llama shape's decode step at batch 256, async, and its latency ladder
