@@ -7,7 +7,8 @@ Chapter 05's offline throughput on the nano-vllm workload, for both shapes, from
 after the kernel warm-up and host-side fixes, the run that compared synchronous steps with
 async scheduling side by side, the run after fusing kernels (fewer launches per layer), and
 the run with piecewise CUDA graphs for the prefill steps, and the run with the skinny GEMM and
-the start-up heap frozen out of the garbage collector's sight (its second repetition); HF
+the start-up heap frozen out of the garbage collector's sight (its second repetition), and
+the run with the one-pass sampling kernel (its second run); HF
 transformers' `generate` beside them, and the physical bound of the same work as a red line.
 """
 
@@ -28,9 +29,10 @@ BARS = [  # (label, data file, run inside it or None, result name with {shape})
     ("fewer kernels\n(fused),\nasync", "executor-h200-2026-12-03-fused.json", None, "throughput-{shape}-async"),
     ("piecewise\ngraphs,\nasync", "piecewise-h200-2026-12-03.json", "offline_async_7c5b525", "throughput-{shape}-async"),
     ("frozen\nstart-up heap,\nasync", "gc-freeze-h200-2026-12-03.json", "results", "throughput-{full}-async-default"),
+    ("one-pass\nsampler,\nasync", "sampler-h200-2026-12-04.json", "results_17f517a", "throughput-{full}-async-default"),
     ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
 ]
-COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#0d1257", "#616161"]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#0d1257", "#060930", "#616161"]
 FULL_NAMES = {"qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b"}  # how the later data files name the shapes
 FLOOR = "#c62828"
 

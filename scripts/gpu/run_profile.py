@@ -11,7 +11,9 @@ A kernel family is its name without template arguments; the Triton kernels keep 
 (`_decode_partial_kernel`, ...), cuBLAS's are grouped as `gemm`. Then the run cut into
 `--windows` equal spans of time: in each, the GPU's busy share, the steps the host launched
 and their mean batch (running requests), which shows in which phase of the run (prefill,
-full batches, the shrinking tail) the GPU waits for the host.
+full batches, the shrinking tail) the GPU waits for the host. Last, the idle gaps between
+the GPU's busy intervals by length: microsecond gaps are the device's own latency between
+work already queued; gaps of tens of microseconds and more are the GPU waiting for the host.
 """
 
 from __future__ import annotations
@@ -87,15 +89,23 @@ for event in prof.profiler.kineto_results.events():
     row[1] += length / 1e9
 intervals.sort()
 busy, cur_begin, cur_end = 0, None, None
+gaps: list[int] = []  # ns between one busy stretch and the next
 for begin, end in intervals:  # the union of intervals: overlapping kernels count once
     if cur_end is None or begin > cur_end:
         if cur_end is not None:
             busy += cur_end - cur_begin
+            gaps.append(begin - cur_end)
         cur_begin, cur_end = begin, end
     else:
         cur_end = max(cur_end, end)
 if cur_end is not None:
     busy += cur_end - cur_begin
+GAP_EDGES_US = [2, 10, 50, 200, 1000, float("inf")]
+gap_buckets, lower = [], 0
+for upper in GAP_EDGES_US:
+    inside = [g for g in gaps if lower * 1e3 <= g < upper * 1e3]
+    gap_buckets.append({"from_us": lower, "to_us": upper, "count": len(inside), "seconds": sum(inside) / 1e9})
+    lower = upper
 busy_s = busy / 1e9
 span_s = (intervals[-1][1] - intervals[0][0]) / 1e9 if intervals else 0.0
 # Per window of the run: the GPU's busy share (kernel intervals clipped to the window; the GPU
@@ -117,7 +127,7 @@ for w in range(args.windows):
                     "mean_running": sum(batch) / max(len(batch), 1)})
 rows = sorted(({"family": k, "launches": v[0], "seconds": v[1]} for k, v in per_family.items()), key=lambda r: -r["seconds"])
 result = {"shape": args.shape, "async_scheduling": args.async_scheduling, "wall_s": wall, "gpu_busy_s": busy_s,
-          "gpu_span_s": span_s, "output_tokens": sum(output_lens), "rows": rows, "windows": windows}
+          "gpu_span_s": span_s, "output_tokens": sum(output_lens), "rows": rows, "windows": windows, "gaps": gap_buckets}
 print(f"\n== {args.shape} async={args.async_scheduling}: wall {wall:.3f} s (profiled), GPU busy {busy_s:.3f} s "
       f"({busy_s / wall:.0%}), first-to-last kernel {span_s:.3f} s, {sum(output_lens) / wall:.0f} tok/s")
 print(f"{'kernel family':60s} {'launches':>9s} {'s':>7s} {'share':>6s}")
@@ -127,5 +137,8 @@ print(f"{'from s':>7s} {'GPU busy':>8s} {'steps':>6s} {'ms/step':>8s} {'running'
 for w in windows:
     print(f"{w['start_s']:7.2f} {w['gpu_busy']:8.0%} {w['steps']:6d} {window_s * 1e3 / max(w['steps'], 1):8.2f} "
           f"{w['mean_running']:8.0f}")
+print(f"{'idle gap':>16s} {'count':>8s} {'s':>7s}")
+for b in gap_buckets:
+    print(f"{b['from_us']:>6} - {b['to_us']:>6} us {b['count']:8d} {b['seconds']:7.3f}")
 if args.json:
     json.dump(result, open(args.json, "w"), indent=1)
