@@ -239,7 +239,7 @@ def test_gumbel_sample_picks_the_reference_token(num_rows, vocab_size, dtype, se
     the rows are split, except where the best two scores of a row lie within float rounding
     (the kernel's log and the reference's may round differently there)."""
     kernel, reference = KERNELS["gumbel_sample"]
-    from minivllm.kernels.sampling import gumbel_uniforms
+    from minivllm.kernels.sampling import gumbel_max_scores, gumbel_uniforms
 
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(num_rows, vocab_size + 3, generator=g) * 3).to(dtype).to(DEVICE)[:, :vocab_size]  # a row stride > V
@@ -248,9 +248,7 @@ def test_gumbel_sample_picks_the_reference_token(num_rows, vocab_size, dtype, se
                                                   max_size=num_rows)), device=DEVICE)
     out, ref = kernel(logits, temperature, seed, num_splits=num_splits), reference(logits, temperature, seed)
     uniforms = gumbel_uniforms(num_rows, vocab_size, seed, logits.device)
-    greedy = (temperature < 1e-5).unsqueeze(-1)
-    scores = torch.where(greedy, logits.float(), logits.float() / temperature.clamp_min(1e-5).unsqueeze(-1)
-                         - torch.log(-torch.log(uniforms)))
+    scores = gumbel_max_scores(logits, temperature, uniforms)
     top2 = scores.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs().clamp_min(1.0)
     assert out.dtype == torch.int64 and out.shape == (num_rows,)

@@ -53,7 +53,7 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     for ax, (shape, title) in zip(axes, [("qwen3", "Qwen3-0.6B"), ("llama", "Llama-3.2-1B")]):
         values, bound = [], None
         for label, file, runs, name in BARS:

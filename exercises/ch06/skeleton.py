@@ -11,6 +11,7 @@
 #   ch06-decode-online-softmax     _decode_tile  (minivllm/kernels/paged_attention.py)
 #   ch06-reshape-and-cache-kernel  _reshape_and_cache_kernel  (minivllm/kernels/reshape_and_cache.py)
 #   ch06-fused-add-rms-norm        _fused_add_rms_norm_kernel  (minivllm/kernels/rms_norm.py)
+#   ch06-gumbel-max                _fold_tile  (minivllm/kernels/sampling.py)
 
 from __future__ import annotations
 
@@ -97,3 +98,20 @@ def _fused_add_rms_norm_kernel(
     stored in out's dtype. Lanes at N and beyond must be neither loaded nor stored.
     """
     raise NotImplementedError("ch06-fused-add-rms-norm: offs = arange(BLOCK), mask offs < N; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w")
+
+
+# exercise[ch06-gumbel-max]: load the group's logits (masked: -inf past vocab_size) in fp32; score = x (greedy) or x * inv_temperature - log(-log u); keep score and token where score > best
+@triton.jit
+def _fold_tile(best, best_token, row_logits, tokens, uniforms, vocab_size, inv_temperature, greedy):
+    """Score one group of tokens and keep, per lane, the best score and its token so far.
+
+    `tokens` [SUB] int32 are the group's token ids, one per lane (ids from `vocab_size` on are
+    past the end of the row: they must not be loaded, and must never win); `row_logits` points
+    at the row's first logit; `uniforms` [SUB] are the lanes' uniforms in (0, 1). A token's
+    score is its logit (float32) when the row is greedy (`greedy`, a scalar bool), else
+    logit * inv_temperature plus Gumbel noise -log(-log u). `best` [SUB] float32 and
+    `best_token` [SUB] int32 are each lane's best score and its token so far: replace them
+    only where the new score is strictly greater, so that a tie keeps the lower token id.
+    Returns the new (best, best_token).
+    """
+    raise NotImplementedError("ch06-gumbel-max: load the group's logits (masked: -inf past vocab_size) in fp32; score = x (greedy) or x * inv_temperature - log(-log u); keep score and token where score > best")

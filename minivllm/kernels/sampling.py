@@ -47,18 +47,33 @@ def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, see
 def gumbel_max(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """argmax(logits / T - log(-log U)) per row, for uniforms U of the same shape; greedy rows
     (T < 1e-5) take argmax(logits). With U uniform, a row's token follows softmax(logits / T)."""
+    return gumbel_max_scores(logits, temperature, uniforms).argmax(dim=-1)
+
+
+def gumbel_max_scores(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Every token's score: logits / T plus Gumbel noise, or the logit itself in a greedy row."""
     greedy = temperature < GREEDY_TEMPERATURE
     # x * (1 / T), as the kernel computes it, so both round alike.
     scaled = logits.float() * (1.0 / torch.where(greedy, 1.0, temperature)).unsqueeze(-1)
-    scores = torch.where(greedy.unsqueeze(-1), logits.float(), scaled - torch.log(-torch.log(uniforms)))
-    return scores.argmax(dim=-1)
+    return torch.where(greedy.unsqueeze(-1), logits.float(), scaled - torch.log(-torch.log(uniforms)))
 # --8<-- [end:gumbel-max]
 
 
 # --8<-- [start:gumbel-kernel]
+# exercise[ch06-gumbel-max]: load the group's logits (masked: -inf past vocab_size) in fp32; score = x (greedy) or x * inv_temperature - log(-log u); keep score and token where score > best
 @triton.jit
 def _fold_tile(best, best_token, row_logits, tokens, uniforms, vocab_size, inv_temperature, greedy):
-    """Score one group of tokens and keep, per lane, the best score and its token so far."""
+    """Score one group of tokens and keep, per lane, the best score and its token so far.
+
+    `tokens` [SUB] int32 are the group's token ids, one per lane (ids from `vocab_size` on are
+    past the end of the row: they must not be loaded, and must never win); `row_logits` points
+    at the row's first logit; `uniforms` [SUB] are the lanes' uniforms in (0, 1). A token's
+    score is its logit (float32) when the row is greedy (`greedy`, a scalar bool), else
+    logit * inv_temperature plus Gumbel noise -log(-log u). `best` [SUB] float32 and
+    `best_token` [SUB] int32 are each lane's best score and its token so far: replace them
+    only where the new score is strictly greater, so that a tie keeps the lower token id.
+    Returns the new (best, best_token).
+    """
     x = tl.load(row_logits + tokens, mask=tokens < vocab_size, other=float("-inf")).to(tl.float32)
     gumbel = -tl.log(-tl.log(uniforms))  # a uniform of exactly 0 gives -inf: never chosen
     score = tl.where(greedy, x, x * inv_temperature + gumbel)

@@ -104,7 +104,8 @@ GAP_EDGES_US = [2, 10, 50, 200, 1000, float("inf")]
 gap_buckets, lower = [], 0
 for upper in GAP_EDGES_US:
     inside = [g for g in gaps if lower * 1e3 <= g < upper * 1e3]
-    gap_buckets.append({"from_us": lower, "to_us": upper, "count": len(inside), "seconds": sum(inside) / 1e9})
+    gap_buckets.append({"from_us": lower, "to_us": upper if upper != float("inf") else None,  # JSON has no inf
+                        "count": len(inside), "seconds": sum(inside) / 1e9})
     lower = upper
 busy_s = busy / 1e9
 span_s = (intervals[-1][1] - intervals[0][0]) / 1e9 if intervals else 0.0
@@ -139,6 +140,6 @@ for w in windows:
           f"{w['mean_running']:8.0f}")
 print(f"{'idle gap':>16s} {'count':>8s} {'s':>7s}")
 for b in gap_buckets:
-    print(f"{b['from_us']:>6} - {b['to_us']:>6} us {b['count']:8d} {b['seconds']:7.3f}")
+    print(f"{b['from_us']:>6} - {b['to_us'] or 'inf':>6} us {b['count']:8d} {b['seconds']:7.3f}")
 if args.json:
     json.dump(result, open(args.json, "w"), indent=1)

@@ -1,9 +1,13 @@
-"""Chapter 06 exercises: three Triton kernels, run by Triton's interpreter on the CPU.
+"""Chapter 06 exercises: Triton kernels, run by Triton's interpreter on the CPU.
 
 - `ch06-fused-add-rms-norm`: the body of `_fused_add_rms_norm_kernel` (one row per program).
 - `ch06-reshape-and-cache-kernel`: the body of `_reshape_and_cache_kernel` (one token per program).
 - `ch06-decode-online-softmax`: `_decode_tile`, the online-softmax update of one tile of
   paged decode attention; `_decode_partial_kernel` loads the tiles and calls it.
+- `ch06-skinny-gemm`: the body of `_skinny_gemm_kernel` (a few tokens times a weight).
+- `ch06-gumbel-max`: `_fold_tile`, one lane group of the one-pass sampler: its scores and the
+  running best; `_gumbel_sample_kernel` draws the uniforms and calls it. Logit rows are
+  followed by +inf guard columns, so an unmasked load wins and is seen.
 
 Every size is chosen to be awkward: rows whose width is not a power of two (so the last
 lanes of a block must be masked), K/V rows of 60 elements in a 64-lane block, contexts
@@ -343,3 +347,59 @@ def test_skinny_gemm_is_x_times_weight_transposed(m, n, k, block_n, block_k, adv
         f"out differs from x @ weight.T{' + bias' if with_bias else ''} by up to {err:.3g}: {advice}"
         + ("; add bias[n] once, after the sum over k" if with_bias else "")
     )
+
+
+# -- ch06-gumbel-max --------------------------------------------------------------------------
+
+sampling = importlib.import_module("minivllm.kernels.sampling")
+INF = float("inf")
+
+
+def guarded_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """[num_rows, vocab_size] logits whose rows are followed by +inf guard columns: a lane past
+    the end of the vocabulary that is loaded unmasked scores +inf and wins, which is seen."""
+    g = torch.Generator().manual_seed(seed)
+    buffer = torch.full((num_rows, vocab_size + 2 * sampling.GUMBEL_SUB), INF)
+    buffer[:, :vocab_size] = torch.randn(num_rows, vocab_size, generator=g) * 2
+    return buffer.to(DEVICE)[:, :vocab_size]
+
+
+@pytest.mark.exercise("ch06-gumbel-max")
+@pytest.mark.parametrize(("vocab_size", "advice"), [
+    pytest.param(700, "one tile, most of it past the end: mask the load with tokens < vocab_size, other=-inf",
+                 id="one-partial-tile"),
+    pytest.param(5000, "three tiles, the last one partial: each call folds one lane group into the running best",
+                 id="several-tiles"),
+])
+def test_gumbel_max_tile_draws_the_reference_token(vocab_size, advice):
+    logits = guarded_logits(4, vocab_size, seed=vocab_size)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 2.0], device=DEVICE)  # row 0 greedy
+    out = sampling.gumbel_sample(logits, temperature, seed=123)
+    assert (out < vocab_size).all(), f"a token past the vocabulary won ({out.tolist()}): {advice}"
+    assert out[0] == logits[0].argmax(), (
+        "a greedy row (greedy=True) must score the plain logits, no noise: its token is the argmax"
+    )
+    want = sampling.gumbel_sample_reference(logits, temperature, seed=123)
+    # Rows whose best two scores lie within float rounding may go either way (the kernel's log
+    # and PyTorch's can round differently); the seeds here leave every row decided.
+    scores = sampling.gumbel_max_scores(logits, temperature, sampling.gumbel_uniforms(4, vocab_size, 123, logits.device))
+    top2 = scores.topk(2, dim=-1).values
+    assert ((top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs().clamp_min(1.0)).all(), "premise: no near-tie"
+    assert torch.equal(out, want), (
+        f"tokens {out.tolist()}, reference {want.tolist()}: score = logit * inv_temperature - log(-log(u)), "
+        "and keep the new score and token only where score > best"
+    )
+
+
+@pytest.mark.exercise("ch06-gumbel-max")
+def test_gumbel_max_tile_never_draws_a_masked_token():
+    logits = guarded_logits(3, 3000, seed=1)
+    logits[:, :] = -INF
+    allowed = torch.tensor([5, 1999, 2999], device=DEVICE)
+    logits[:, allowed] = torch.tensor([0.0, 0.3, -0.2], device=DEVICE)
+    for seed in range(4):
+        out = sampling.gumbel_sample(logits, torch.ones(3, device=DEVICE), seed=seed)
+        assert torch.isin(out, allowed).all(), (
+            f"seed {seed}: drew {out.tolist()}, but only {allowed.tolist()} have finite logits; a logit of -inf "
+            "plus any noise is -inf and must never replace a finite best"
+        )
