@@ -13,7 +13,8 @@
 # throughput run, both shapes, async) heads-fastest (throughput with the decode kernel's two
 # launch orders, both shapes, async) sampler (throughput with the one-pass sampling kernel and
 # with the PyTorch sampler, both shapes, async) sampler-tests sweep-sampler (the kernel's launch
-# settings against the PyTorch sampler, 1-256 rows) llama-async
+# settings against the PyTorch sampler, 1-256 rows) llama-async sweep-gemm (cuBLAS on the decode
+# steps' products at batch 16-256 against read and math floors)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -96,6 +97,8 @@ for part in $PARTS; do
           VARIANT=$v bench "throughput-$shape-async-$v" throughput --shape $shape --async-scheduling
         done
       done ;;
+    sweep-gemm)  # cuBLAS on the decode steps' matrix products at batch 16-256, against their floors
+      timeout 200 python3 scripts/gpu/sweep_decode_gemm.py --json "$OUT/decode-gemm.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
     llama-async)  # the Llama shape's offline throughput, async, alone
       bench throughput-llama-3.2-1b-async throughput --shape llama-3.2-1b --async-scheduling ;;
     sweep-sampler)  # the one-pass sampling kernel's launch settings against the PyTorch sampler
