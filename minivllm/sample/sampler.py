@@ -14,6 +14,10 @@ batch comes from. The order is vLLM v1's:
 Each transformation is a small function over the whole batch (row-specific values arrive as
 [B] tensors and broadcast over V), so one step costs a few vectorized operations whatever
 the number of requests. Masked tokens get logit -inf, so softmax gives them probability 0.
+
+On a GPU, a batch that asks for temperature and nothing else skips steps 2 and 3's PyTorch
+operations: one Triton kernel (`minivllm/kernels/sampling.py`, the Gumbel-max trick) scales,
+adds noise and takes the argmax in a single read of the logits (`one_pass_sampling_applies`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Sampler(torch.nn.Module):
             raw_logprobs = compute_logprobs(logits)
 
         if one_pass_sampling_applies(logits, metadata):
-            # Temperature and the draw in one read of the logits (kernels/sampling.py).
+            # Temperature and the draw in one read of the logits (kernels/sampling.py). Imported
+            # here: importing the kernels defines them, which only a GPU run may do at any time.
             from minivllm.kernels import call_kernel
 
             sampled = call_kernel("gumbel_sample", logits, metadata.temperature, draw_seed())
@@ -96,7 +101,7 @@ class Sampler(torch.nn.Module):
 
 # --8<-- [start:one-pass-sampling]
 def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
-    """Can this step's draw be the one-pass Gumbel-max kernel instead of the steps above?
+    """Can this step's draw be the one-pass Gumbel-max kernel instead of the PyTorch steps?
 
     On a GPU, when the batch asks for temperature and nothing else: no top-k, top-p or min-p
     (they need the sorted or normalized row), no penalties or min_tokens (they rewrite the
