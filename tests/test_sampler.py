@@ -327,7 +327,7 @@ def test_one_pass_sampling_takes_only_the_batches_it_computes_exactly():
 
     from minivllm.sample.sampler import one_pass_sampling_applies
 
-    on_gpu = SimpleNamespace(is_cuda=True)  # the rule reads only where the logits live
+    on_gpu = SimpleNamespace(is_cuda=True, shape=(2, 4))  # the rule reads only where the logits live and their shape
     plain, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
     assert one_pass_sampling_applies(on_gpu, metadata([plain, greedy])), "temperature only: one pass"
     assert not one_pass_sampling_applies(torch.zeros(2, 4), metadata([plain, greedy])), "CPU logits"
@@ -338,6 +338,8 @@ def test_one_pass_sampling_takes_only_the_batches_it_computes_exactly():
         assert not one_pass_sampling_applies(on_gpu, meta), f"{knob} needs the PyTorch path"
     seeded = metadata([plain, SamplingParams(temperature=0.7, seed=3)], generators=[None, torch.Generator()])
     assert not one_pass_sampling_applies(on_gpu, seeded), "a seeded row draws from its own generator"
+    huge = SimpleNamespace(is_cuda=True, shape=(100_000, 151_936))  # past the 32-bit noise counters
+    assert not one_pass_sampling_applies(huge, metadata([plain, greedy])), "too many rows for one launch"
 
 
 @pytest.mark.gpu

@@ -145,9 +145,14 @@ def _uniforms_kernel(out_ptr, seed, vocab_size, num_tiles, SUB: tl.constexpr):
     tl.store(row_out + base + 3 * SUB, u3, mask=base + 3 * SUB < vocab_size)
 
 
+def fits_one_launch(num_rows: int, vocab_size: int, sub: int = GUMBEL_SUB) -> bool:
+    """Do the noise counters of [num_rows, vocab_size] logits fit Philox's 32 bits?"""
+    return num_rows * triton.cdiv(vocab_size, 4 * sub) * sub < 2**31
+
+
 def _num_tiles(num_rows: int, vocab_size: int, sub: int = GUMBEL_SUB) -> int:
     num_tiles = triton.cdiv(vocab_size, 4 * sub)
-    if num_rows * num_tiles * sub >= 2**31:  # Philox counters are 32-bit
+    if not fits_one_launch(num_rows, vocab_size, sub):
         raise ValueError(f"gumbel_sample: {num_rows} rows x {vocab_size} tokens is too large for one launch")
     return num_tiles
 

@@ -106,10 +106,15 @@ def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) 
     On a GPU, when the batch asks for temperature and nothing else: no top-k, top-p or min-p
     (they need the sorted or normalized row), no penalties or min_tokens (they rewrite the
     logits first), no seeded row (its noise must come from its own generator, whatever the
-    batch), and some row samples at random (an all-greedy batch is one argmax already).
+    batch), and some row samples at random (an all-greedy batch is one argmax already); and
+    the batch is small enough for the kernel's 32-bit noise counters (some 50,000 rows).
     """
+    if not logits.is_cuda:
+        return False
+    from minivllm.kernels.sampling import fits_one_launch  # only on a GPU: see Sampler.forward
+
     return (
-        logits.is_cuda
+        fits_one_launch(*logits.shape)
         and not metadata.all_greedy
         and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
         and metadata.no_penalties and not metadata.min_tokens_blocked
