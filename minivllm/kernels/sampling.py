@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._utils import next_power_of_2
+from minivllm.sampling_params import _GREEDY_TEMPERATURE as GREEDY_TEMPERATURE  # SamplingParams' cut-off
 
 GUMBEL_SUB = 512  # tokens per lane group; a tile is 4 groups (one Philox call gives 4 uniforms)
-GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (SamplingParams' cut-off)
 
 
 def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:

@@ -28,9 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.sample.metadata import SamplingMetadata
-
-# Below this temperature a row is greedy (the same cut-off as SamplingParams).
-_GREEDY_TEMPERATURE = 1e-5
+from minivllm.sampling_params import _GREEDY_TEMPERATURE  # below it a row is greedy: one cut-off everywhere
 
 
 @dataclass(slots=True)
