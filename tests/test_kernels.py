@@ -65,13 +65,40 @@ def test_registry_lists_every_kernel_with_a_reference():
 @FAST
 @given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]), splits=st.integers(1, 3),
-       heads_fastest=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, heads_fastest, dtype, seed):
-    # Both launch orders (sequences or KV heads fastest in the grid) compute the same thing.
+       heads_fastest=st.booleans(), merge_in_kernel=st.booleans(), block_n=st.sampled_from([16, None]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, heads_fastest, merge_in_kernel,
+                                block_n, dtype, seed):
+    # Both launch orders (sequences or KV heads fastest in the grid) and both merges (by the
+    # last split to finish, or by a second kernel) compute the same thing; 16-token tiles
+    # make even short contexts span several splits.
     kernel, reference = KERNELS["paged_decode_attention"]
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
-    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, heads_fastest=heads_fastest)
+    out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, heads_fastest=heads_fastest,
+                 merge_in_kernel=merge_in_kernel, block_n=block_n)
     assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
+
+
+@FAST
+@given(seq_lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), bound=st.integers(200, 1200),
+       splits=st.integers(2, 12), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_decode_merge_by_the_last_split_as_a_cuda_graph_launches_it(seq_lens, bound, splits, dtype, seed):
+    """A CUDA graph launches the decode kernel for max_model_len: most splits of a short
+    context are empty, and a context may fit in one split. The merging program must wait for
+    exactly the splits that hold tokens, leave every counter at zero for the next launch, and
+    give the same result launch after launch."""
+    from minivllm.kernels.paged_attention import split_counters
+
+    kernel, reference = KERNELS["paged_decode_attention"]
+    q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, 2, 64, 16, dtype, seed)
+    ref = reference(q, kv, bt, sl, 64**-0.5)
+    # 16-token tiles: splits of 16 tokens or more, so a context of up to 200 spans 1 to 12 of them.
+    launch = dict(max_seq_len=bound, num_splits=splits, block_n=16, merge_in_kernel=True)
+    first = kernel(q, kv, bt, sl, 64**-0.5, **launch)
+    assert rel_err(first, ref) < TOLERANCE[dtype]
+    assert not split_counters(q.device, 0).any(), "a counter was left non-zero: the next launch would merge early"
+    again = kernel(q, kv, bt, sl, 64**-0.5, **launch)
+    assert torch.equal(first, again), "the merge must not depend on which split finished last"
 
 
 @FAST
@@ -180,6 +207,46 @@ def test_qk_norm_rotary_embedding_in_place_on_the_qkv_projection(num_tokens, hea
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "in place"
     assert rel_err(out_q, ref_q) < TOLERANCE[dtype] and rel_err(out_k, ref_k) < TOLERANCE[dtype]
     assert torch.equal(qkv[:, (num_q + num_k) * head_dim :], before[:, (num_q + num_k) * head_dim :]), "v changed"
+
+
+@FAST
+@given(num_tokens=st.integers(1, 12), padding=st.integers(0, 3), heads=st.sampled_from([(4, 1), (6, 2), (8, 8)]),
+       head_dim=st.sampled_from([64, 128]), qk_norm=st.booleans(), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_rotary_embedding_writes_the_rotated_key_and_the_value_into_the_cache(
+    num_tokens, padding, heads, head_dim, qk_norm, dtype, seed
+):
+    """The fused RoPE + cache write: q and k rotated in place as before, the rotated k and
+    the unchanged v at each token's slot, nothing for slot -1 or for rows past the slot
+    mapping (a padded batch), and no other byte of the cache touched."""
+    from minivllm.models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    num_q, num_k = heads
+    block_size = 16
+    cache = RotaryEmbedding(head_dim, 300, 10000.0).cos_sin_cache.to(DEVICE)
+    total = num_tokens + padding
+    positions = torch.randint(0, 300, (total,), generator=g).to(DEVICE)
+    qkv = torch.randn(total, (num_q + 2 * num_k) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, : num_q * head_dim].view(total, num_q, head_dim)
+    k = qkv[:, num_q * head_dim : (num_q + num_k) * head_dim].view(total, num_k, head_dim)
+    v = qkv[:, (num_q + num_k) * head_dim :].view(total, num_k, head_dim)
+    num_blocks = -(-num_tokens // block_size) + 2
+    kv = torch.full((2, num_blocks, block_size, num_k, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[0] = -1  # a padding token inside the batch
+    slots = slots.to(DEVICE)
+    weights = [(1 + torch.rand(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)] if qk_norm else []
+    name = "qk_norm_rotary_embedding" if qk_norm else "rotary_embedding"
+    kernel, reference = KERNELS[name]
+    norm_args = (*weights, 1e-6) if qk_norm else ()
+    kv_ref = kv.clone()
+    ref_q, ref_k = reference(positions, q.clone(), k.clone(), cache, *norm_args, v.clone(), kv_ref, slots)
+    out_q, out_k = kernel(positions, q, k, cache, *norm_args, v, kv, slots)
+    assert rel_err(out_q, ref_q) < TOLERANCE[dtype] and rel_err(out_k, ref_k) < TOLERANCE[dtype]
+    assert torch.equal(kv.isnan(), kv_ref.isnan()), "the kernel wrote outside its slots (or missed one)"
+    assert rel_err(kv.nan_to_num(), kv_ref.nan_to_num()) < TOLERANCE[dtype]
+    assert torch.equal(kv[1].nan_to_num(), kv_ref[1].nan_to_num()), "v goes into the cache unchanged"
 
 
 @FAST
@@ -338,3 +405,68 @@ def test_prefill_tiles_cover_every_query_once_heaviest_first():
     assert sorted(pairs) == [(0, 0), (0, 32), (0, 64), (1, 0)]
     # Work grows with the position of a tile's queries: 100 cached + 0, then 64, 32, 0.
     assert pairs == [(1, 0), (0, 64), (0, 32), (0, 0)]
+
+
+def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, cos_sin, positions, kv, slots, bt, seq_lens, splits):
+    """A decoder layer's kernels at batch 1, each reading the one before: norm, qkv product,
+    RoPE writing the cache, decode attention over that cache (several splits, merged in
+    the kernel), o product, norm, up product, SiLU-and-mul."""
+    call = {name: kernel for name, (kernel, _) in KERNELS.items()}
+    h, residual = call["fused_add_rms_norm"](x, residual, w_norm, 1e-6)
+    qkv = call["skinny_gemm"](h, w_qkv)
+    q, k, v = qkv.view(1, 12, 128).split([8, 2, 2], dim=1)
+    q, k = call["rotary_embedding"](positions, q, k, cos_sin, v, kv, slots)
+    attn = call["paged_decode_attention"](q, kv, bt, seq_lens, 128**-0.5, max_seq_len=2048, num_splits=splits)
+    o = call["skinny_gemm"](attn.view(1, -1), w_o)
+    h, residual = call["fused_add_rms_norm"](o, residual, w_norm, 1e-6)
+    return call["silu_and_mul"](call["skinny_gemm"](h, w_up)), residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper (or newer) GPU")
+def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatch):
+    """With PDL each kernel starts before the previous one ends and waits (gdc_wait) before
+    reading its output. A kernel that read too early would see the previous step's values:
+    the chain replayed in a CUDA graph, with new inputs each time, must give exactly what
+    the same kernels give launched one after another without PDL."""
+    from minivllm.kernels._utils import pdl_enabled
+    from minivllm.models.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.5).to(torch.bfloat16).cuda()  # noqa: E731
+    w_norm, w_qkv, w_o, w_up = rand(1024), rand(12 * 128, 1024), rand(1024, 8 * 128), rand(2 * 2048, 1024)
+    cos_sin = RotaryEmbedding(128, 4096, 10000.0).cos_sin_cache.cuda()
+    kv = rand(2, 64, 16, 2, 128)
+    bt = torch.randperm(64, generator=g)[:32].to(torch.int32).view(1, 32).cuda()
+    static = {"x": rand(1, 1024), "residual": rand(1, 1024), "positions": torch.zeros(1, dtype=torch.long).cuda(),
+              "slots": torch.zeros(1, dtype=torch.long).cuda(), "seq_lens": torch.zeros(1, dtype=torch.int32).cuda()}
+
+    def step_inputs(seq_len):
+        pos = seq_len - 1
+        slot = int(bt[0, pos // 16]) * 16 + pos % 16
+        return {"x": rand(1, 1024), "residual": rand(1, 1024), "positions": torch.tensor([pos]).cuda(),
+                "slots": torch.tensor([slot]).cuda(), "seq_lens": torch.tensor([seq_len], dtype=torch.int32).cuda()}
+
+    def run(inputs, cache):
+        return _layer_chain(inputs["x"], inputs["residual"], w_norm, w_qkv, w_o, w_up, cos_sin, inputs["positions"],
+                            cache, inputs["slots"], bt, inputs["seq_lens"], splits=16)
+
+    monkeypatch.setenv("MINIVLLM_PDL", "1")
+    assert pdl_enabled(torch.device("cuda"))
+    run(static, kv.clone())  # compile outside the capture
+    graph_cache = kv.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = run(static, graph_cache)
+    monkeypatch.setenv("MINIVLLM_PDL", "0")
+    eager_cache = kv.clone()
+    for seq_len in (300, 9, 511, 17):  # 3, 1, 4 and 1 of the 128-token splits hold tokens
+        inputs = step_inputs(seq_len)
+        for name, t in inputs.items():
+            static[name].copy_(t)
+        graph.replay()
+        want = run(inputs, eager_cache)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out[0], want[0]) and torch.equal(graph_out[1], want[1]), seq_len
+        assert torch.equal(graph_cache, eager_cache), seq_len

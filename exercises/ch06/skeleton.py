@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 
 
-# exercise[ch06-skinny-gemm]: rows n = pid*BLOCK_N + arange; per K slice load w [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32; sum over k (+ bias); store masked
+# exercise[ch06-skinny-gemm]: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUM_EACH_SLICE: tl.constexpr,
+    SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -33,16 +33,20 @@ def _skinny_gemm_kernel(
     weight is [N, K] with contiguous rows: element (n, k) is at weight_ptr + n * K + k (make
     n int64 before multiplying: N * K can pass 2**31). Row m of x starts at x_ptr + m *
     x_stride, row m of out at out_ptr + m * out_stride; both have contiguous elements. Walk K in
-    slices of BLOCK_K: load the [BLOCK_N, BLOCK_K] weight tile and the [BLOCK_M, BLOCK_K] slice
-    of x, with masks (n < N, m < M, k < K) and 0 for masked lanes, and accumulate the products
-    in float32 with plain multiply-adds (broadcast to [BLOCK_M, BLOCK_N, BLOCK_K]; no tl.dot,
-    which needs 16 rows). With SUM_EACH_SLICE, reduce over k after every slice into a
-    [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
-    and reduce once after the loop (fewer shuffles, more registers). With HAS_BIAS add bias[n]
-    (in float32; without it bias_ptr is unused). Store in out's dtype, only where m < M and
-    n < N.
+    slices of BLOCK_K: for each, load the [BLOCK_M, BLOCK_K] slice of x and multiply it with
+    the [BLOCK_N, BLOCK_K] weight tile of that slice, accumulating in float32 with plain
+    multiply-adds (broadcast to [BLOCK_M, BLOCK_N, BLOCK_K]; no tl.dot, which needs 16 rows).
+    Masks: n < N, m < M, k < K, and 0 for masked lanes. The weight tile of each slice is
+    loaded one slice ahead: the first before the loop, the next one inside it, so the weight
+    bytes are always in flight. The first load also comes before `gdc_wait` (when USE_PDL):
+    weights never change, so they may be read while the previous kernel, which wrote x, is
+    still running; x may be read only after the wait. With SUM_EACH_SLICE, reduce over k after
+    every slice into a [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N,
+    BLOCK_K] accumulator and reduce once after the loop (fewer shuffles, more registers). With
+    HAS_BIAS add bias[n] (in float32; without it bias_ptr is unused). Store in out's dtype,
+    only where m < M and n < N.
     """
-    raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; per K slice load w [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32; sum over k (+ bias); store masked")
+    raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked")
 
 
 # exercise[ch06-decode-online-softmax]: s = dot(q, trans(k)) * scale, -inf where not n_mask; m_new = max(m_i, row max of s); acc, l_i times exp2(m_i - m_new), plus p = exp2(s - m_new)
@@ -63,12 +67,12 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
     raise NotImplementedError("ch06-decode-online-softmax: s = dot(q, trans(k)) * scale, -inf where not n_mask; m_new = max(m_i, row max of s); acc, l_i times exp2(m_i - m_new), plus p = exp2(s - m_new)")
 
 
-# exercise[ch06-reshape-and-cache-kernel]: slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride
+# exercise[ch06-reshape-and-cache-kernel]: (USE_PDL: gdc_wait first) slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
     key_stride, value_stride, cache_kv_stride,
-    ROW: tl.constexpr, ROW_PADDED: tl.constexpr,
+    ROW: tl.constexpr, ROW_PADDED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program copies the K and V of one new token into the paged cache.
 
@@ -77,16 +81,18 @@ def _reshape_and_cache_kernel(
     value: value_ptr + t * value_stride). In the cache [2, num_blocks, block_size, heads, dim],
     slot s of the K half starts at cache_ptr + s * ROW; the V half is cache_kv_stride elements
     further. ROW_PADDED is ROW rounded up to a power of 2: lanes at ROW and beyond must be
-    neither loaded nor stored.
+    neither loaded nor stored. With USE_PDL (programmatic dependent launch, chapter 06) the
+    program may start before the previous kernel, which wrote key and value, has finished:
+    call `tl.extra.cuda.gdc_wait()` before reading anything.
     """
-    raise NotImplementedError("ch06-reshape-and-cache-kernel: slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride")
+    raise NotImplementedError("ch06-reshape-and-cache-kernel: (USE_PDL: gdc_wait first) slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride")
 
 
-# exercise[ch06-fused-add-rms-norm]: offs = arange(BLOCK), mask offs < N; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w
+# exercise[ch06-fused-add-rms-norm]: offs = arange(BLOCK), mask offs < N; load w, then (USE_PDL) gdc_wait; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w
 @triton.jit
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, out_stride, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program normalizes one row of N elements; BLOCK is N rounded up to a power of 2.
 
@@ -95,9 +101,12 @@ def _fused_add_rms_norm_kernel(
     h = x + residual, added in float32 and rounded to the model dtype, is stored as the new
     residual at residual_out_ptr + r * N (contiguous rows); without it, h = x and the residual
     pointers are unused. Then out = h / sqrt(mean(h²) + eps) * weight, computed in float32 and
-    stored in out's dtype. Lanes at N and beyond must be neither loaded nor stored.
+    stored in out's dtype. Lanes at N and beyond must be neither loaded nor stored. The weight
+    is loaded first: with USE_PDL (programmatic dependent launch) this program may start
+    while the previous kernel, which wrote x, still runs; after `gdc_wait` its writes are
+    visible, and only then may x and residual be read (the weight never changes).
     """
-    raise NotImplementedError("ch06-fused-add-rms-norm: offs = arange(BLOCK), mask offs < N; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w")
+    raise NotImplementedError("ch06-fused-add-rms-norm: offs = arange(BLOCK), mask offs < N; load w, then (USE_PDL) gdc_wait; x (+ residual, in fp32, stored rounded as the new residual); rstd = 1/sqrt(sum(h*h)/N + eps); store h*rstd*w")
 
 
 # exercise[ch06-gumbel-max]: load the group's logits (masked: -inf past vocab_size) in fp32; score = x (greedy) or x * inv_temperature - log(-log u); keep score and token where score > best

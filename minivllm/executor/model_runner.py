@@ -217,9 +217,10 @@ class ModelRunner:
         Triton compiles a kernel the first time it sees a new combination of constexprs and
         argument properties; that takes a second or more, and in a running engine it would
         stall every request in the step. One mixed step (a decode, and a prefill continuing
-        cached tokens) runs every kernel of the forward pass; then the decode merge kernel is
-        compiled for each split-tile size it can use, the skinny GEMM for 1, 2 and 3-4
-        tokens on every linear layer, and the one-pass sampler for the model's logits.
+        cached tokens) runs every kernel of the forward pass, and one separate cache write
+        the one piecewise graphs use; then the decode kernel is compiled for each split-tile
+        size its in-kernel merge can use, the skinny GEMM for 1, 2 and 3-4 tokens on every
+        linear layer, and the one-pass sampler for the model's logits.
         Nothing is written: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
@@ -239,6 +240,10 @@ class ModelRunner:
         positions = torch.tensor([16] + list(range(16, 32)), device=self.device)
         with set_forward_context(meta):
             self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
+        # That step wrote K/V from the RoPE kernel; piecewise graphs use the separate cache write.
+        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        kv = torch.zeros(num_tokens, layer.num_kv_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
+        layer.write_kv(kv, kv, meta.slot_mapping)
         self._warm_up_decode_merge()
         # One layer of each kind and shape is enough: the variants do not depend on which weights.
         linears = {(type(m), m.weight.shape, m.bias is None): m for m in self.model.modules() if isinstance(m, LinearBase)}

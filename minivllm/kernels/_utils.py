@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,3 +42,35 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     aligned (and fastest) variant.
     """
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# --8<-- [start:pdl]
+@functools.lru_cache(maxsize=None)
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9  # Hopper and newer
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launch with programmatic dependent launch (PDL) here.
+
+    Normally a kernel's programs start only after the previous kernel has finished and its
+    writes are flushed: in a decode step at batch 1 that hand-over (the launch, scheduling
+    the programs, and the first loads' latency) costs a microsecond or two per kernel, of a
+    kernel that moves a few megabytes. With PDL (Hopper and newer) the next kernel is
+    launched while the previous one still runs; its programs do what does not depend on the
+    previous kernel (load weights, which never change) and then wait in `gdc_wait` until the
+    previous kernel's writes are visible. On by default on such GPUs; `MINIVLLM_PDL=0` turns
+    it off, and it is off in Triton's CPU interpreter and inside torch.compile's tracing.
+    """
+    if device.type != "cuda" or interpreting() or os.environ.get("MINIVLLM_PDL", "1") == "0":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_options(use_pdl: bool) -> dict:
+    """The launch keyword that asks Triton for PDL; nothing when it is off (the interpreter
+    does not know the keyword)."""
+    return {"launch_pdl": True} if use_pdl else {}
+# --8<-- [end:pdl]

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels._utils import pdl_enabled, pdl_launch_options
+
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
@@ -18,7 +20,11 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, D: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: x is the previous kernel's output (kernels/_utils.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -33,6 +39,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * d)
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = 1024
+    use_pdl = pdl_enabled(x.device)
     if x2.shape[0] > 0:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, USE_PDL=use_pdl, **pdl_launch_options(use_pdl)
+        )
     return out.view(*x.shape[:-1], d)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._utils import next_power_of_2
+from minivllm.kernels._utils import next_power_of_2, pdl_enabled, pdl_launch_options
 
 # The largest token count the kernel is meant for; beyond it tensor-core GEMMs win.
 SKINNY_MAX_TOKENS = 8
@@ -35,12 +35,12 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 # --8<-- [start:skinny-gemm-kernel]
-# exercise[ch06-skinny-gemm]: rows n = pid*BLOCK_N + arange; per K slice load w [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32; sum over k (+ bias); store masked
+# exercise[ch06-skinny-gemm]: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUM_EACH_SLICE: tl.constexpr,
+    SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -49,14 +49,18 @@ def _skinny_gemm_kernel(
     weight is [N, K] with contiguous rows: element (n, k) is at weight_ptr + n * K + k (make
     n int64 before multiplying: N * K can pass 2**31). Row m of x starts at x_ptr + m *
     x_stride, row m of out at out_ptr + m * out_stride; both have contiguous elements. Walk K in
-    slices of BLOCK_K: load the [BLOCK_N, BLOCK_K] weight tile and the [BLOCK_M, BLOCK_K] slice
-    of x, with masks (n < N, m < M, k < K) and 0 for masked lanes, and accumulate the products
-    in float32 with plain multiply-adds (broadcast to [BLOCK_M, BLOCK_N, BLOCK_K]; no tl.dot,
-    which needs 16 rows). With SUM_EACH_SLICE, reduce over k after every slice into a
-    [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
-    and reduce once after the loop (fewer shuffles, more registers). With HAS_BIAS add bias[n]
-    (in float32; without it bias_ptr is unused). Store in out's dtype, only where m < M and
-    n < N.
+    slices of BLOCK_K: for each, load the [BLOCK_M, BLOCK_K] slice of x and multiply it with
+    the [BLOCK_N, BLOCK_K] weight tile of that slice, accumulating in float32 with plain
+    multiply-adds (broadcast to [BLOCK_M, BLOCK_N, BLOCK_K]; no tl.dot, which needs 16 rows).
+    Masks: n < N, m < M, k < K, and 0 for masked lanes. The weight tile of each slice is
+    loaded one slice ahead: the first before the loop, the next one inside it, so the weight
+    bytes are always in flight. The first load also comes before `gdc_wait` (when USE_PDL):
+    weights never change, so they may be read while the previous kernel, which wrote x, is
+    still running; x may be read only after the wait. With SUM_EACH_SLICE, reduce over k after
+    every slice into a [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N,
+    BLOCK_K] accumulator and reduce once after the loop (fewer shuffles, more registers). With
+    HAS_BIAS add bias[n] (in float32; without it bias_ptr is unused). Store in out's dtype,
+    only where m < M and n < N.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,15 +69,20 @@ def _skinny_gemm_kernel(
     m_mask = offs_m < M
     w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * K  # weight is [N, K], rows contiguous
     x_rows = x_ptr + offs_m[:, None] * x_stride
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if USE_PDL:  # everything below may read what the previous kernel wrote
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if SUM_EACH_SLICE:
         out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:  # partial products per (m, n, k-lane), summed over the lanes after the loop
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = (k + offs_k) < K
-        w = tl.load(w_rows + k + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(x_rows + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        next_k = k + BLOCK_K + offs_k  # the next slice's weights (all masked off after the last)
+        w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
         if SUM_EACH_SLICE:
             out += tl.sum(products, axis=2)
         else:
@@ -113,7 +122,7 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    sum_each_slice: bool | None = None,
+    sum_each_slice: bool | None = None, use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening)."""
     n, k = weight.shape
@@ -128,10 +137,12 @@ def skinny_gemm(
     block_n, block_k = block_n or SKINNY_TILE[0], block_k or SKINNY_TILE[1]
     num_warps, num_stages = num_warps or SKINNY_TILE[2], num_stages or SKINNY_TILE[3]
     sum_each_slice = SKINNY_TILE[4] if sum_each_slice is None else sum_each_slice
+    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     if m > 0:
         _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            SUM_EACH_SLICE=sum_each_slice, num_warps=num_warps, num_stages=num_stages,
+            SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages,
+            **pdl_launch_options(use_pdl),
         )
     return out.view(*x.shape[:-1], n)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._utils import aligned, next_power_of_2
+from minivllm.kernels._utils import aligned, next_power_of_2, pdl_enabled, pdl_launch_options
 
 
 # -- references --------------------------------------------------------------------------------
@@ -107,11 +107,15 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
     scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
-    out_ptr, out_stride_seq, out_stride_head,
+    out_ptr, out_stride_seq, out_stride_head, counters_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: q (and the cache) come from the previous kernels
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if HEADS_FASTEST:  # the KV heads of one sequence are neighbours in launch order (see the launcher)
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -122,6 +126,12 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
+    # Splits that hold a token of this context: the launch covers the longest context of the
+    # batch (in a CUDA graph, max_model_len), so a short one leaves the later splits empty.
+    num_active = tl.cdiv(seq_len, split_size)
+    if MERGE_IN_KERNEL:
+        if split >= num_active:
+            return  # nothing to attend to, and the merge does not wait for this split
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -145,40 +155,72 @@ def _decode_partial_kernel(
         v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION)
 
+    out_ptrs = out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + offs_d[None, :]
+    out_mask = g_mask[:, None] & d_mask[None, :]
     if ONE_SPLIT:  # the whole context in this program: normalize and write the output, no merge
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
         return
+    if MERGE_IN_KERNEL:
+        if num_active == 1:  # a short context, in this split alone: the same
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+            return
     # Partial results of this split: unnormalized acc, and (max, sum) for the merge.
     row = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_ml_ptr + row * 2, m_i, mask=g_mask)
     tl.store(mid_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+    if MERGE_IN_KERNEL:
+        # The last split to finish merges them all: every program of this (sequence, KV
+        # head) adds one to a counter once its partials are written (the barrier orders all
+        # of the program's stores before the atomic, which releases them to the GPU); the one
+        # that sees num_active - 1 knows every other partial is written, resets the counter
+        # for the next launch and merges. No program ever waits for another, and the merge
+        # sums the splits in a fixed order, so the result does not depend on which one is last.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * (NUM_HEADS // GROUP) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_active - 1:
+            tl.atomic_xchg(counter, 0)
+            for g in tl.static_range(GROUP):
+                first_row = (seq * NUM_HEADS + kv_head * GROUP + g) * num_splits
+                _merge_splits(mid_out_ptr, mid_ml_ptr, first_row, num_active,
+                              out_ptr + seq * out_stride_seq + (kv_head * GROUP + g) * out_stride_head,
+                              HEAD_DIM, BLOCK_D, BLOCK_S, ".cg")  # .cg: read the partials from L2, never a stale L1 line
 # --8<-- [end:decode-partial-kernel]
 
 
 # --8<-- [start:decode-merge-kernel]
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(
-    mid_out_ptr, mid_ml_ptr, out_ptr, out_stride_seq, out_stride_head, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_HEADS: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+@triton.jit
+def _merge_splits(mid_out_ptr, mid_ml_ptr, first_row, num_rows, out_ptr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Combine the partial results of one (sequence, head): rows first_row ... + num_rows - 1."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    row = (seq * NUM_HEADS + head) * num_splits + offs_s
-    m = tl.load(mid_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(mid_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    s_mask = offs_s < num_rows
+    row = first_row + offs_s
+    m = tl.load(mid_ml_ptr + row * 2, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(mid_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0, cache_modifier=CACHE)
     acc = tl.load(mid_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                  mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=0)
     # An empty split has m = -inf and contributes exp(-inf) = 0.
     weight = tl.where(s_mask & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
-    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + offs_d, out, mask=offs_d < HEAD_DIM)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
+    mid_out_ptr, mid_ml_ptr, out_ptr, out_stride_seq, out_stride_head, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    _merge_splits(mid_out_ptr, mid_ml_ptr, (seq * NUM_HEADS + head) * num_splits, num_splits,
+                  out_ptr + seq * out_stride_seq + head * out_stride_head, HEAD_DIM, BLOCK_D, BLOCK_S, "")
 # --8<-- [end:decode-merge-kernel]
 
 
@@ -195,13 +237,15 @@ def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
-    out: torch.Tensor | None = None, heads_fastest: bool | None = None,
+    out: torch.Tensor | None = None, heads_fastest: bool | None = None, merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
 
     With one split (many sequences: enough programs already), the partial kernel normalizes
-    and writes the output itself; otherwise the merge kernel combines the splits.
+    and writes the output itself. With several, the last split of each (sequence, KV head) to
+    finish merges them in the same kernel (`merge_in_kernel`, the default); a context that
+    fits in one split skips the merge. With merge_in_kernel=False a second kernel merges.
     """
     num_seqs, num_heads, head_dim = query.shape
     default_block_n, default_warps, default_stages = decode_config(head_dim)
@@ -225,26 +269,55 @@ def paged_decode_attention(
     mid_ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
     if heads_fastest is None:
         heads_fastest = DECODE_HEADS_FASTEST
+    merge_in_kernel = (DECODE_MERGE_IN_KERNEL if merge_in_kernel is None else merge_in_kernel) and not one_split
+    counters = split_counters(query.device, num_seqs * num_kv_heads) if merge_in_kernel else seq_lens
+    use_pdl = pdl_enabled(query.device)
     grid = (num_kv_heads, num_seqs, num_splits) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
     _decode_partial_kernel[grid](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
-        block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1),
+        block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1), counters,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
-        ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
+        ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, MERGE_IN_KERNEL=merge_in_kernel,
+        BLOCK_S=merge_block_s(num_splits) if merge_in_kernel else 16, USE_PDL=use_pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(use_pdl),
     )
-    if one_split:
+    if one_split or merge_in_kernel:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         mid_out, mid_ml, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=merge_block_s(num_splits), NUM_HEADS=num_heads,
+        USE_PDL=use_pdl, **pdl_launch_options(use_pdl),
     )
     return out
 # --8<-- [end:decode-launcher]
 
 
 DECODE_HEADS_FASTEST = False
+DECODE_MERGE_IN_KERNEL = True
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), for the in-kernel merge.
+
+    One buffer per device, kept for the process: each launch leaves every counter it used
+    back at zero (the merging program resets it), so the next launch, and every replay of
+    a CUDA graph that captured this buffer, finds them zero. It is allocated the first time
+    (the engine's warm-up, before any capture) and may not grow during a capture.
+    """
+    buffer = _SPLIT_COUNTERS.get(device)
+    if buffer is None or buffer.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the decode kernel needs {count} split counters while a CUDA graph is captured; "
+                "allocate them before capturing (a decode call with as many sequences)"
+            )
+        buffer = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = buffer
+    return buffer
 
 
 def decode_config(head_dim: int) -> tuple[int, int, int]:

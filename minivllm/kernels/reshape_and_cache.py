@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._utils import next_power_of_2
+from minivllm.kernels._utils import next_power_of_2, pdl_enabled, pdl_launch_options
 
 
 def reshape_and_cache_reference(
@@ -24,12 +24,12 @@ def reshape_and_cache_reference(
 
 
 # --8<-- [start:reshape-and-cache-kernel]
-# exercise[ch06-reshape-and-cache-kernel]: slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride
+# exercise[ch06-reshape-and-cache-kernel]: (USE_PDL: gdc_wait first) slot = slot_mapping[token]; if slot >= 0, copy the token's ROW elements of key to cache + slot*ROW and of value to that + cache_kv_stride
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
     key_stride, value_stride, cache_kv_stride,
-    ROW: tl.constexpr, ROW_PADDED: tl.constexpr,
+    ROW: tl.constexpr, ROW_PADDED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program copies the K and V of one new token into the paged cache.
 
@@ -38,8 +38,13 @@ def _reshape_and_cache_kernel(
     value: value_ptr + t * value_stride). In the cache [2, num_blocks, block_size, heads, dim],
     slot s of the K half starts at cache_ptr + s * ROW; the V half is cache_kv_stride elements
     further. ROW_PADDED is ROW rounded up to a power of 2: lanes at ROW and beyond must be
-    neither loaded nor stored.
+    neither loaded nor stored. With USE_PDL (programmatic dependent launch, chapter 06) the
+    program may start before the previous kernel, which wrote key and value, has finished:
+    call `tl.extra.cuda.gdc_wait()` before reading anything.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
@@ -61,8 +66,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     row = key.shape[1] * key.shape[2]
     assert key.stride(2) == 1 and key.stride(1) == key.shape[2], "key rows must be contiguous per token"
     assert value.stride(2) == 1 and value.stride(1) == value.shape[2], "value rows must be contiguous per token"
+    use_pdl = pdl_enabled(key.device)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), value.stride(0), kv_cache.stride(0),
-        ROW=row, ROW_PADDED=next_power_of_2(row),
+        ROW=row, ROW_PADDED=next_power_of_2(row), USE_PDL=use_pdl, **pdl_launch_options(use_pdl),
     )

@@ -52,11 +52,14 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
+        # On CUDA the RoPE kernel can also write this step's K/V into the cache (one kernel less).
+        cache = self.attn.fused_kv_write(q)
+        kv_write = (v.view(-1, self.num_kv_heads, self.head_dim), *cache) if cache is not None else None
         if self.qk_norm:  # Qwen3: RMSNorm each head before RoPE (one fused kernel on CUDA)
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_write=kv_write)
         else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            q, k = self.rotary_emb(positions, q, k, kv_write=kv_write)
+        return self.o_proj(self.attn(q, k, v, kv_written=kv_write is not None))
 # --8<-- [end:llama-attention]
 
 

@@ -6,8 +6,12 @@ VARIANT is `default` (the code as it is), `cublas` (the skinny GEMM never picked
 linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage collector),
 `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64), or
 `heads-fastest=0|1` (the decode kernel's launch order: sequences or KV heads fastest), or
-`torch-sampler` (every batch sampled by the PyTorch path, never the one-pass kernel). It lets one GPU run compare defaults in the whole engine,
-where a kernel sweep alone can mislead.
+`torch-sampler` (every batch sampled by the PyTorch path, never the one-pass kernel),
+`nopdl` (no programmatic dependent launch), `merge-kernel` (the decode splits merged by a
+second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
+(all three: the kernels as they were before PDL and the two fusions), or `skinny-all` (the
+skinny GEMM for every product of at most 4 tokens, cuBLAS never). It lets one GPU run compare
+defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
 import os
@@ -40,6 +44,21 @@ elif variant == "torch-sampler":
     import minivllm.sample.sampler as sampler
 
     sampler.one_pass_sampling_applies = lambda logits, metadata: False
+elif variant in ("nopdl", "merge-kernel", "unfused-kv", "before-pdl"):
+    if variant in ("nopdl", "before-pdl"):
+        os.environ["MINIVLLM_PDL"] = "0"
+    if variant in ("merge-kernel", "before-pdl"):
+        import minivllm.kernels.paged_attention as paged
+
+        paged.DECODE_MERGE_IN_KERNEL = False
+    if variant in ("unfused-kv", "before-pdl"):
+        from minivllm.models.layers.attention import Attention
+
+        Attention.fused_kv_write = lambda self, q: None
+elif variant == "skinny-all":
+    import minivllm.kernels.gemm as skinny
+
+    skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
 elif variant != "default":
     raise SystemExit(f"unknown variant {variant!r}")
 

@@ -15,6 +15,8 @@
 # with the PyTorch sampler, both shapes, async) sampler-tests sweep-sampler (the kernel's launch
 # settings against the PyTorch sampler, 1-256 rows) llama-async sweep-gemm (cuBLAS on the decode
 # steps' products at batch 16-256 against read and math floors)
+# pdl (batch 1-4 steps with programmatic dependent launch, the in-kernel decode merge and the
+# RoPE-written cache each turned off) pdl-throughput (throughput with and without all three)
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -111,6 +113,20 @@ for part in $PARTS; do
       done ;;
     sweep-skinny)  # the skinny GEMM against cuBLAS at batch 1-8 decode shapes
       timeout 400 python3 scripts/gpu/sweep_skinny_gemm.py --json "$OUT/skinny-gemm.json" 2>&1 | grep -v Warn | tee -a "$LOG" ;;
+    pdl)  # batch 1-4 decode steps with PDL and the two fusions, each turned off, both shapes (PDL_VARIANTS)
+      for shape in ${PDL_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+        for v in ${PDL_VARIANTS:-default nopdl merge-kernel unfused-kv before-pdl}; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes ${PDL_BATCHES:-1,4} --output-len 64 --num-iters 3 --async-scheduling
+        done
+      done ;;
+    pdl-throughput)  # offline throughput, async, default vs the kernels before PDL and the fusions (PDL_SHAPES)
+      for rep in 1 2; do
+        for shape in ${PDL_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
+          for v in default before-pdl; do
+            VARIANT=$v bench "throughput-$shape-async-$v-$rep" throughput --shape $shape --async-scheduling
+          done
+        done
+      done ;;
     kernel-tests)
       timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;
     kprofile)  # the GPU kernels of a decode graph replay, both shapes (KPROFILE_SHAPES), batch 1 and 256

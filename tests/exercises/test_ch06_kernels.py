@@ -70,7 +70,7 @@ def run_rms_norm_kernel(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     residual_in = x if residual is None else residual
     rms_norm._fused_add_rms_norm_kernel[(rows,)](
         x, residual_in, weight, out, residual_out, x.stride(0), residual_in.stride(0), out.stride(0), eps,
-        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, USE_PDL=False,  # one launch: nothing to overlap
     )
     assert out_buffer[:, n:].isnan().all(), (
         f"the kernel stored past the end of a row of out (lanes {n}..{block - 1} of the block): mask tl.store with offs < N"
@@ -295,6 +295,7 @@ def run_skinny_gemm_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     gemm._skinny_gemm_kernel[(-(-n // block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUM_EACH_SLICE=sum_each_slice,
+        USE_PDL=False,  # one launch: nothing to overlap
     )
     outside = torch.ones_like(out_buffer, dtype=torch.bool)
     outside[:m, :n] = False

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.forward_context import get_forward_context
+from minivllm.models.layers.custom_ops import use_triton_ops
 
 
 class Attention(nn.Module):
@@ -29,7 +30,8 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.impl = None  # the attention backend, bound by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """`kv_written`: this step's k and v are in the cache already (the RoPE kernel wrote them)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -43,6 +45,8 @@ class Attention(nn.Module):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True,
             ).transpose(0, 1)
+        elif kv_written:
+            out = self.attend(q, None, None, meta)
         else:
             out = self.attend(q, k, v, meta)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
@@ -55,6 +59,26 @@ class Attention(nn.Module):
         k and v are written into the cache first, unless None: a piecewise graph wrote them.
         """
         return self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, output)
+
+    # --8<-- [start:fused-kv-write]
+    def fused_kv_write(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this layer's cache, the step's slot mapping) when the RoPE kernel before attention may
+        write this step's K/V into the cache itself, else None.
+
+        Only with the Triton backend and the Triton ops on CUDA, in a step with a cache (not
+        the dummy run that sizes memory), not while piecewise graphs are captured (their
+        capture writes K/V inside the piece before attention) and not inside torch.compile's
+        tracing (which would guard on the step's metadata).
+        """
+        if self.kv_cache is None or getattr(self.impl, "name", None) != "triton" or not use_triton_ops(q):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        context = get_forward_context()
+        if context.piecewise_capture is not None or context.attn_metadata is None:
+            return None
+        return self.kv_cache, context.attn_metadata.slot_mapping
+    # --8<-- [end:fused-kv-write]
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V into this layer's cache at `slot_mapping` (-1: skip)."""

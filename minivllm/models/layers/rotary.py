@@ -63,17 +63,23 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+        kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, heads, head_dim], key [T, kv_heads, head_dim] → rotated (copies, or in place on CUDA).
 
         With `q_norm` and `k_norm` (Qwen3's per-head RMSNorms), each head is normalized first;
-        on CUDA one kernel does both.
+        on CUDA one kernel does both. `kv_write` = (value, kv_cache, slot_mapping), given only
+        where the Triton kernel runs (see `Attention.fused_kv_write`), has that kernel also
+        write the rotated key and the value into the paged cache.
         """
         if use_triton_ops(query):
+            cache_args = kv_write or ()
             if q_norm is not None:
                 return call_kernel("qk_norm_rotary_embedding", positions, query, key, self.cos_sin_cache,
-                                   q_norm.weight, k_norm.weight, q_norm.eps)
-            return call_kernel("rotary_embedding", positions, query, key, self.cos_sin_cache)
+                                   q_norm.weight, k_norm.weight, q_norm.eps, *cache_args)
+            return call_kernel("rotary_embedding", positions, query, key, self.cos_sin_cache, *cache_args)
+        if kv_write is not None:
+            raise ValueError("kv_write needs the Triton kernel (a CUDA tensor, MINIVLLM_TRITON_OPS not 0)")
         if q_norm is not None:
             query, key = q_norm(query), k_norm(key)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, head_dim / 2]
