@@ -259,15 +259,17 @@ def test_silu_and_mul(rows, d, dtype, seed):
 
 @FAST
 @given(tokens=st.integers(1, 8), n=st.integers(1, 300), k=st.integers(1, 700), with_bias=st.booleans(),
-       sum_each_slice=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_skinny_gemm(tokens, n, k, with_bias, sum_each_slice, dtype, seed):
+       sum_each_slice=st.booleans(), gated=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_skinny_gemm(tokens, n, k, with_bias, sum_each_slice, gated, dtype, seed):
+    # gated: x holds [gate | up] (2k columns) and the product's input is silu(gate) * up.
     g = torch.Generator().manual_seed(seed)
-    x, weight, bias = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((tokens, k), (n, k), (n,)))
+    x_shape = (tokens, 2 * k if gated else k)
+    x, weight, bias = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in (x_shape, (n, k), (n,)))
     kernel, reference = KERNELS["skinny_gemm"]
     # A 64-wide K slice, so that most drawn K end mid-slice and the masks are exercised.
-    out = kernel(x, weight, bias if with_bias else None, block_k=64, sum_each_slice=sum_each_slice)
+    out = kernel(x, weight, bias if with_bias else None, gated, block_k=64, sum_each_slice=sum_each_slice)
     assert out.shape == (tokens, n)
-    assert rel_err(out, reference(x, weight, bias if with_bias else None)) < TOLERANCE[dtype]
+    assert rel_err(out, reference(x, weight, bias if with_bias else None, gated)) < TOLERANCE[dtype]
 
 
 def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
@@ -407,10 +409,11 @@ def test_prefill_tiles_cover_every_query_once_heaviest_first():
     assert pairs == [(1, 0), (0, 64), (0, 32), (0, 0)]
 
 
-def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, cos_sin, positions, kv, slots, bt, seq_lens, splits):
+def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positions, kv, slots, bt, seq_lens, splits):
     """A decoder layer's kernels at batch 1, each reading the one before: norm, qkv product,
     RoPE writing the cache, decode attention over that cache (several splits, merged in
-    the kernel), o product, norm, up product, SiLU-and-mul."""
+    the kernel), o product, norm, gate/up product, down product with SiLU-and-mul in it, and
+    the separate SiLU-and-mul kernel (summed into the output, to be checked too)."""
     call = {name: kernel for name, (kernel, _) in KERNELS.items()}
     h, residual = call["fused_add_rms_norm"](x, residual, w_norm, 1e-6)
     qkv = call["skinny_gemm"](h, w_qkv)
@@ -419,7 +422,8 @@ def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, cos_sin, positions, kv, 
     attn = call["paged_decode_attention"](q, kv, bt, seq_lens, 128**-0.5, max_seq_len=2048, num_splits=splits)
     o = call["skinny_gemm"](attn.view(1, -1), w_o)
     h, residual = call["fused_add_rms_norm"](o, residual, w_norm, 1e-6)
-    return call["silu_and_mul"](call["skinny_gemm"](h, w_up)), residual
+    gate_up = call["skinny_gemm"](h, w_up)
+    return call["skinny_gemm"](gate_up, w_down, None, True) + call["silu_and_mul"](gate_up).sum(), residual
 
 
 @pytest.mark.gpu
@@ -436,6 +440,7 @@ def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatc
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.5).to(torch.bfloat16).cuda()  # noqa: E731
     w_norm, w_qkv, w_o, w_up = rand(1024), rand(12 * 128, 1024), rand(1024, 8 * 128), rand(2 * 2048, 1024)
+    w_down = rand(1024, 2048)
     cos_sin = RotaryEmbedding(128, 4096, 10000.0).cos_sin_cache.cuda()
     kv = rand(2, 64, 16, 2, 128)
     bt = torch.randperm(64, generator=g)[:32].to(torch.int32).view(1, 32).cuda()
@@ -449,7 +454,7 @@ def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatc
                 "slots": torch.tensor([slot]).cuda(), "seq_lens": torch.tensor([seq_len], dtype=torch.int32).cuda()}
 
     def run(inputs, cache):
-        return _layer_chain(inputs["x"], inputs["residual"], w_norm, w_qkv, w_o, w_up, cos_sin, inputs["positions"],
+        return _layer_chain(inputs["x"], inputs["residual"], w_norm, w_qkv, w_o, w_up, w_down, cos_sin, inputs["positions"],
                             cache, inputs["slots"], bt, inputs["seq_lens"], splits=16)
 
     monkeypatch.setenv("MINIVLLM_PDL", "1")

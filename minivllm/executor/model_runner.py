@@ -220,8 +220,8 @@ class ModelRunner:
         cached tokens) runs every kernel of the forward pass, and one separate cache write
         the one piecewise graphs use; then the decode kernel is compiled for each split-tile
         size its in-kernel merge can use, the skinny GEMM for 1, 2 and 3-4 tokens on every
-        linear layer, and the one-pass sampler for the model's logits.
-        Nothing is written: every slot is -1.
+        linear layer (and on the MLP's down product with SiLU-and-mul inside), and the
+        one-pass sampler for the model's logits. Nothing is written: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
             return
@@ -250,6 +250,12 @@ class ModelRunner:
         for module in linears.values():
             for tokens in (1, 2, 4):
                 module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
+        # The gated MLP's down product with SiLU-and-mul inside (a variant of its own).
+        mlp = next((m for m in self.model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")), None)
+        if mlp is not None:
+            for tokens in (1, 2, 4):
+                mlp(torch.zeros(tokens, mlp.gate_up_proj.weight.shape[1], dtype=mlp.gate_up_proj.weight.dtype,
+                                device=self.device))
         from minivllm.kernels import gumbel_sample
 
         hidden_size = self.config.model_config.hf_config.hidden_size

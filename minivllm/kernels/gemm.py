@@ -22,12 +22,17 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._utils import next_power_of_2, pdl_enabled, pdl_launch_options
+from minivllm.kernels.activation import silu_and_mul_reference
 
 # The largest token count the kernel is meant for; beyond it tensor-core GEMMs win.
 SKINNY_MAX_TOKENS = 8
 
 
-def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_gemm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False
+) -> torch.Tensor:
+    if gated_input:  # x = [gate | up]: the product's input is silu(gate) * up, rounded as its own kernel's output
+        x = silu_and_mul_reference(x).to(x.dtype)
     out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()
@@ -40,7 +45,7 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr,
+    SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -60,7 +65,10 @@ def _skinny_gemm_kernel(
     every slice into a [BLOCK_M, BLOCK_N] accumulator; without it, keep a [BLOCK_M, BLOCK_N,
     BLOCK_K] accumulator and reduce once after the loop (fewer shuffles, more registers). With
     HAS_BIAS add bias[n] (in float32; without it bias_ptr is unused). Store in out's dtype,
-    only where m < M and n < N.
+    only where m < M and n < N. GATED (not part of the exercise: the tests leave it off): the
+    rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
+    computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
+    would store it: the MLP's down projection then needs no activation kernel before it.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -80,6 +88,10 @@ def _skinny_gemm_kernel(
     for k in range(0, K, BLOCK_K):
         k_mask = (k + offs_k) < K
         a = tl.load(x_rows + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:
+            gate = a.to(tl.float32)
+            up = tl.load(x_rows + K + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
         products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         next_k = k + BLOCK_K + offs_k  # the next slice's weights (all masked off after the last)
         w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
@@ -120,13 +132,17 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 
 
 def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     sum_each_slice: bool | None = None, use_pdl: bool | None = None,
 ) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening)."""
+    """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening).
+
+    With `gated_input`, x's rows are [gate | up] (twice weight's in-features) and the product
+    is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel.
+    """
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, 2 * k if gated_input else k)
     m = x2.shape[0]
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_gemm is for at most {SKINNY_MAX_TOKENS} tokens, got {m}")
@@ -142,7 +158,7 @@ def skinny_gemm(
         _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages,
+            SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input, num_warps=num_warps, num_stages=num_stages,
             **pdl_launch_options(use_pdl),
         )
     return out.view(*x.shape[:-1], n)

@@ -87,7 +87,9 @@ def _rotate_heads(ptr, stride_tok, stride_head, token, num_heads, cos, sin, HALF
 
 
 # --8<-- [start:rotary-kernel]
-@triton.jit
+# num_slots is the step's token count: left unspecialized, it never causes a recompile
+# (Triton would otherwise compile a variant for 1 and for multiples of 16).
+@triton.jit(do_not_specialize=["num_slots"])
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
     num_q_heads, num_k_heads, q_weight_ptr, k_weight_ptr, eps,

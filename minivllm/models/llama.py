@@ -18,6 +18,7 @@ from torch import nn
 from minivllm.distributed.parallel_state import get_tp_size
 from minivllm.models.layers.activation import SiluAndMul
 from minivllm.models.layers.attention import Attention
+from minivllm.models.layers.custom_ops import skinny_gemm_applies
 from minivllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.models.layers.norm import RMSNorm
@@ -73,7 +74,12 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # A few tokens on CUDA: the down product's skinny kernel does SiLU-and-mul itself.
+        down_input = gate_up[..., : self.down_proj.weight.shape[1]]  # the shape the product sees
+        if skinny_gemm_applies(down_input, self.down_proj.weight):
+            return self.down_proj(gate_up, gated_input=True)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 # --8<-- [start:llama-decoder-layer]

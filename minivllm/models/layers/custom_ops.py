@@ -25,16 +25,27 @@ def call_kernel(name: str, *args, **kwargs):
 
 
 # --8<-- [start:linear]
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight.T` goes to the skinny GEMM kernel: on CUDA, for the 1-4 token
+    products it wins (`skinny_gemm_wins`). Not inside torch.compile's tracing: there the
+    token count is symbolic and a branch on it would specialize the compiled graph to one
+    batch size."""
+    if not use_triton_ops(x) or weight.dtype != x.dtype or torch.compiler.is_compiling():
+        return False
+    from minivllm.kernels.gemm import skinny_gemm_wins
+
+    return skinny_gemm_wins(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False) -> torch.Tensor:
     """`F.linear`, or on CUDA the skinny GEMM kernel for the 1-4 token products it wins.
 
-    Not inside torch.compile's tracing: there the token count is symbolic and a branch on it
-    would specialize the compiled graph to one batch size.
+    `gated_input`: x's rows are [gate | up] and the product's input is silu(gate) * up, done
+    inside the skinny kernel (the caller checks `skinny_gemm_applies` on the product first).
     """
-    if use_triton_ops(x) and weight.dtype == x.dtype and not torch.compiler.is_compiling():
-        from minivllm.kernels.gemm import skinny_gemm_wins
-
-        if skinny_gemm_wins(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1]):
-            return call_kernel("skinny_gemm", x, weight, bias)
+    if gated_input:
+        return call_kernel("skinny_gemm", x, weight, bias, True)
+    if skinny_gemm_applies(x, weight):
+        return call_kernel("skinny_gemm", x, weight, bias)
     return F.linear(x, weight, bias)
 # --8<-- [end:linear]

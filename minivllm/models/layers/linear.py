@@ -98,9 +98,10 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(_divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated_input: bool = False) -> torch.Tensor:
+        """`gated_input`: x is [gate | up], and silu(gate) * up is done in the product's kernel."""
         # Add the bias once, after the sum, not on every rank.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, gated_input)
         return tensor_model_parallel_all_reduce(y)
 
 
