@@ -150,7 +150,8 @@ def skinny_gemm(
         x2 = x2.contiguous()
     weight = weight.contiguous()  # the kernel steps K elements from row to row
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = block_n or SKINNY_TILE[0], block_k or SKINNY_TILE[1]
+    block_n = block_n or SKINNY_TILE[0]
+    block_k = min(block_k or SKINNY_TILE[1], next_power_of_2(k))  # a slice wider than K only adds masked lanes
     num_warps, num_stages = num_warps or SKINNY_TILE[2], num_stages or SKINNY_TILE[3]
     sum_each_slice = SKINNY_TILE[4] if sum_each_slice is None else sum_each_slice
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl

@@ -9,8 +9,9 @@ linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage 
 `torch-sampler` (every batch sampled by the PyTorch path, never the one-pass kernel),
 `nopdl` (no programmatic dependent launch), `merge-kernel` (the decode splits merged by a
 second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
-(all three: the kernels as they were before PDL and the two fusions), or `skinny-all` (the
-skinny GEMM for every product of at most 4 tokens, cuBLAS never). It lets one GPU run compare
+(all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
+skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
+(that tile for every skinny product), or both joined by "+". It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -55,10 +56,17 @@ elif variant in ("nopdl", "merge-kernel", "unfused-kv", "before-pdl"):
         from minivllm.models.layers.attention import Attention
 
         Attention.fused_kv_write = lambda self, q: None
-elif variant == "skinny-all":
+elif variant.split("+")[0] in ("skinny-all", "skinny-tile") or variant.startswith("skinny-tile="):
+    # skinny-all: the skinny GEMM for every product of at most 4 tokens; skinny-tile=BN,BK,WARPS,STAGES:
+    # that tile for every skinny product; joined with "+" (skinny-all+skinny-tile=...) both.
     import minivllm.kernels.gemm as skinny
 
-    skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
+    for part in variant.split("+"):
+        if part == "skinny-all":
+            skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
+        else:
+            bn, bk, warps, stages = (int(v) for v in part.removeprefix("skinny-tile=").split(","))
+            skinny.SKINNY_TILE = (bn, bk, warps, stages, False)
 elif variant != "default":
     raise SystemExit(f"unknown variant {variant!r}")
 
