@@ -33,7 +33,6 @@ from minivllm.executor.cuda_graphs import (
 from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch, flatten_batch
 from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
-from minivllm.models.layers.linear import LinearBase
 from minivllm.models.loader import get_model
 from minivllm.sample.metadata import SamplingMetadata, build_sampling_metadata
 from minivllm.sample.sampler import Sampler
@@ -219,43 +218,22 @@ class ModelRunner:
         stall every request in the step. One mixed step (a decode, and a prefill continuing
         cached tokens) runs every kernel of the forward pass, and one separate cache write
         the one piecewise graphs use; then the decode kernel is compiled for each split-tile
-        size its in-kernel merge can use, the skinny GEMM for 1, 2 and 3-4 tokens on every
-        linear layer (and on the MLP's down product with SiLU-and-mul inside), and the
-        one-pass sampler for the model's logits. Nothing is written: every slot is -1.
+        size its in-kernel merge can use; decode steps of 1, 2 and 4 requests compile the
+        skinny GEMM's variants (with the RMSNorm or the SiLU-and-mul inside, and the first
+        layer's norm, which has no residual to add); last the one-pass sampler for the
+        model's logits. Nothing is written: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
             return
-        query_lens, seq_lens = [1, 16], [17, 32]
-        num_tokens = sum(query_lens)
-        int32 = dict(dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, 1, num_tokens], **int32),
-            seq_lens=torch.tensor(seq_lens, **int32),
-            block_tables=torch.zeros(2, self.block_tables.gpu.shape[1], **int32),
-            num_decodes=1, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=[0, 1, num_tokens], seq_lens_cpu=seq_lens,
-        )
-        positions = torch.tensor([16] + list(range(16, 32)), device=self.device)
-        with set_forward_context(meta):
-            self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
+        meta = self._warm_up_step([1, 16], [17, 32])
         # That step wrote K/V from the RoPE kernel; piecewise graphs use the separate cache write.
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
-        kv = torch.zeros(num_tokens, layer.num_kv_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
+        kv = torch.zeros(meta.num_actual_tokens, layer.num_kv_heads, layer.head_dim, dtype=layer.kv_cache.dtype,
+                         device=self.device)
         layer.write_kv(kv, kv, meta.slot_mapping)
         self._warm_up_decode_merge()
-        # One layer of each kind and shape is enough: the variants do not depend on which weights.
-        linears = {(type(m), m.weight.shape, m.bias is None): m for m in self.model.modules() if isinstance(m, LinearBase)}
-        for module in linears.values():
-            for tokens in (1, 2, 4):
-                module(torch.zeros(tokens, module.weight.shape[1], dtype=module.weight.dtype, device=self.device))
-        # The gated MLP's down product with SiLU-and-mul inside (a variant of its own).
-        mlp = next((m for m in self.model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")), None)
-        if mlp is not None:
-            for tokens in (1, 2, 4):
-                mlp(torch.zeros(tokens, mlp.gate_up_proj.weight.shape[1], dtype=mlp.gate_up_proj.weight.dtype,
-                                device=self.device))
+        for num_decodes in (1, 2, 4):  # 3 tokens use 4's variants (a power-of-two row tile)
+            self._warm_up_step([1] * num_decodes, [17] * num_decodes)
         from minivllm.kernels import gumbel_sample
 
         hidden_size = self.config.model_config.hf_config.hidden_size
@@ -263,6 +241,29 @@ class ModelRunner:
         for num_splits in (1, 2):  # a whole row per program, and split rows with their merge
             gumbel_sample(logits, torch.ones(1, device=self.device), 0, num_splits=num_splits)
         torch.cuda.synchronize(self.device)
+
+    def _warm_up_step(self, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        """One forward pass over requests with these query and context lengths, decodes
+        (one-token queries) first; every slot is -1, so the cache is not written."""
+        num_tokens = sum(query_lens)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        query_start_loc = [0]
+        for query_len in query_lens:
+            query_start_loc.append(query_start_loc[-1] + query_len)
+        meta = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor(query_start_loc, **int32),
+            seq_lens=torch.tensor(seq_lens, **int32),
+            block_tables=torch.zeros(len(seq_lens), self.block_tables.gpu.shape[1], **int32),
+            num_decodes=sum(1 for query_len in query_lens if query_len == 1),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+        )
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(self.device)
+        with set_forward_context(meta):
+            self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
+        return meta
 
     def _warm_up_decode_merge(self) -> None:
         from minivllm import kernels

@@ -46,6 +46,8 @@ def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
+    residual_ptr=None, norm_weight_ptr=None, residual_out_ptr=None, residual_stride=0, eps=0.0,
+    NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -69,6 +71,12 @@ def _skinny_gemm_kernel(
     rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
     computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
     would store it: the MLP's down projection then needs no activation kernel before it.
+    NORM (not part of the exercise either): the product's input is RMSNorm(h) with h = x (+
+    the residual, with HAS_RESIDUAL, added in float32 and rounded to x's dtype), the fused
+    add + RMSNorm kernel's output, so that kernel is not needed before the product. Because
+    RMSNorm only scales each row, sum_k h*rstd*g*w = rstd * sum_k h*g*w: the loop multiplies
+    h by the norm weight g, sums h² on the side, and scales by rstd after the loop, so no
+    pass over the row comes first. Program 0 stores h, the new residual stream.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -85,9 +93,22 @@ def _skinny_gemm_kernel(
         out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:  # partial products per (m, n, k-lane), summed over the lanes after the loop
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if NORM:
+        sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = (k + offs_k) < K
         a = tl.load(x_rows + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            mk_mask = m_mask[:, None] & k_mask[None, :]
+            if HAS_RESIDUAL:  # h = x + residual in float32, kept in the model dtype as the residual stream
+                r = tl.load(residual_ptr + offs_m[:, None] * residual_stride + k + offs_k[None, :], mask=mk_mask, other=0.0)
+                a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if tl.program_id(0) == 0:
+                    tl.store(residual_out_ptr + offs_m[:, None] * K + k + offs_k[None, :], a, mask=mk_mask)
+            h = a.to(tl.float32)
+            sum_squares += tl.sum(h * h, axis=1)
+            g = tl.load(norm_weight_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            a = h * g[None, :]  # times rstd after the loop
         if GATED:
             gate = a.to(tl.float32)
             up = tl.load(x_rows + K + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -101,6 +122,8 @@ def _skinny_gemm_kernel(
             acc += products
     if not SUM_EACH_SLICE:
         out = tl.sum(acc, axis=2)
+    if NORM:
+        out = out * (1.0 / tl.sqrt(sum_squares / K + eps))[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride + offs_n[None, :]
@@ -109,8 +132,19 @@ def _skinny_gemm_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, sum_each_slice): within 2 % of the fastest variant
-# on every product that skinny_gemm_wins picks, in the H200 sweep (scripts/gpu/sweep_skinny_gemm.py).
+# on every product that skinny_gemm_wins picks, in the H200 sweep (scripts/gpu/sweep_skinny_gemm.py,
+# each product timed alone, before programmatic dependent launch).
 SKINNY_TILE = (4, 512, 4, 2, False)
+# For 1-2 tokens under PDL: two weight rows per program and 1,024-wide slices, so that for
+# K = 1,024 (Qwen3-0.6B's qkv and gate_up) a program's whole tile is loaded before gdc_wait,
+# while the previous kernel still runs. Chosen in the whole engine, where it made Qwen3-0.6B's
+# batch-1 decode step 8-9 % faster (scripts/gpu/engine_variants.py skinny-tile=..., chapter 06).
+SKINNY_TILE_FEW_TOKENS = (2, 1024, 4, 2, False)
+
+
+def skinny_tile(num_tokens: int) -> tuple[int, int, int, int, bool]:
+    """The skinny GEMM's default tile for a product of `num_tokens` rows."""
+    return SKINNY_TILE_FEW_TOKENS if num_tokens <= 2 else SKINNY_TILE
 
 
 # --8<-- [start:skinny-gemm-wins]
@@ -134,12 +168,13 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    sum_each_slice: bool | None = None, use_pdl: bool | None = None,
+    sum_each_slice: bool | None = None, use_pdl: bool | None = None, _norm: tuple | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening).
 
     With `gated_input`, x's rows are [gate | up] (twice weight's in-features) and the product
-    is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel.
+    is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel. (`_norm` is
+    `normed_skinny_gemm`'s: the norm's extra arguments.)
     """
     n, k = weight.shape
     x2 = x.reshape(-1, 2 * k if gated_input else k)
@@ -150,16 +185,58 @@ def skinny_gemm(
         x2 = x2.contiguous()
     weight = weight.contiguous()  # the kernel steps K elements from row to row
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n = block_n or SKINNY_TILE[0]
-    block_k = min(block_k or SKINNY_TILE[1], next_power_of_2(k))  # a slice wider than K only adds masked lanes
-    num_warps, num_stages = num_warps or SKINNY_TILE[2], num_stages or SKINNY_TILE[3]
-    sum_each_slice = SKINNY_TILE[4] if sum_each_slice is None else sum_each_slice
+    norm_args = {} if _norm is None else _norm_kernel_args(x2, *_norm)
+    tile = skinny_tile(m)
+    block_n = block_n or tile[0]
+    block_k = min(block_k or tile[1], next_power_of_2(k))  # a slice wider than K only adds masked lanes
+    num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
+    sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     if m > 0:
         _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input, num_warps=num_warps, num_stages=num_stages,
-            **pdl_launch_options(use_pdl),
+            **norm_args, **pdl_launch_options(use_pdl),
         )
     return out.view(*x.shape[:-1], n)
+
+
+def _norm_kernel_args(x2: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      residual_out: torch.Tensor | None) -> dict:
+    if residual is None:
+        return dict(norm_weight_ptr=norm_weight, eps=eps, NORM=True, HAS_RESIDUAL=False)
+    residual2 = residual.reshape(x2.shape)
+    assert residual2.stride(-1) == 1, "residual must have unit stride in its last dimension"
+    return dict(residual_ptr=residual2, norm_weight_ptr=norm_weight, residual_out_ptr=residual_out,
+                residual_stride=residual2.stride(0), eps=eps, NORM=True, HAS_RESIDUAL=True)
+
+
+def normed_skinny_gemm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from minivllm.kernels.rms_norm import fused_add_rms_norm_reference
+
+    h, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return skinny_gemm_reference(h, weight, bias), new_residual
+
+
+# --8<-- [start:normed-skinny-gemm]
+def normed_skinny_gemm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, **tile,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm(x + residual) @ weight.T (+ bias)` in one kernel, and the new residual x + residual.
+
+    What the fused add + RMSNorm kernel followed by `skinny_gemm` compute, one kernel fewer
+    (a pre-norm layer's norm and the product after it). With residual None (the first
+    layer) the norm's input is x, and x is also the residual returned. The normalized rows
+    are never rounded to the model dtype here, so results differ from the two kernels' by
+    that rounding. `tile` takes skinny_gemm's tile arguments.
+    """
+    residual_out = None if residual is None else torch.empty(x.reshape(-1, x.shape[-1]).shape, dtype=x.dtype,
+                                                             device=x.device)
+    out = skinny_gemm(x, weight, bias, _norm=(residual, norm_weight, eps, residual_out), **tile)
+    return out, (x if residual is None else residual_out.view(x.shape))
+# --8<-- [end:normed-skinny-gemm]

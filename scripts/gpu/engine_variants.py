@@ -11,7 +11,9 @@ linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage 
 second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
-(that tile for every skinny product), or both joined by "+". It lets one GPU run compare
+(that tile for every skinny product), `unfused-norm` (every RMSNorm its own kernel, none
+inside the next product), `norm-fusion-max=MI` (the norm inside products of at most MI Mi
+weight elements), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -21,54 +23,68 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 variant, bench_args = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
-if variant == "cublas":
-    import minivllm.kernels.gemm as skinny
 
-    skinny.skinny_gemm_wins = lambda num_tokens, n, k: False
-elif variant == "nofreeze":
-    import importlib
 
-    importlib.import_module("minivllm.engine.core").freeze_gc_heap = lambda: None
-elif variant.startswith("decode="):
-    import minivllm.kernels as kernels
-    import minivllm.kernels.paged_attention as paged
+def apply(part: str) -> None:
+    """Patch one variant into the modules the engine is about to import."""
+    if part == "cublas":
+        import minivllm.kernels.gemm as skinny
 
-    block_n, warps, stages = (int(v) for v in variant.removeprefix("decode=").split(","))
-    default_config = paged.decode_config
-    paged.decode_config = kernels.decode_config = (
-        lambda head_dim: (block_n, warps, stages) if head_dim <= 64 else default_config(head_dim))
-elif variant.startswith("heads-fastest="):
-    import minivllm.kernels.paged_attention as paged
+        skinny.skinny_gemm_wins = lambda num_tokens, n, k: False
+    elif part == "nofreeze":
+        import importlib
 
-    paged.DECODE_HEADS_FASTEST = variant.removeprefix("heads-fastest=") == "1"
-elif variant == "torch-sampler":
-    import minivllm.sample.sampler as sampler
-
-    sampler.one_pass_sampling_applies = lambda logits, metadata: False
-elif variant in ("nopdl", "merge-kernel", "unfused-kv", "before-pdl"):
-    if variant in ("nopdl", "before-pdl"):
-        os.environ["MINIVLLM_PDL"] = "0"
-    if variant in ("merge-kernel", "before-pdl"):
+        importlib.import_module("minivllm.engine.core").freeze_gc_heap = lambda: None
+    elif part.startswith("decode="):
+        import minivllm.kernels as kernels
         import minivllm.kernels.paged_attention as paged
 
-        paged.DECODE_MERGE_IN_KERNEL = False
-    if variant in ("unfused-kv", "before-pdl"):
-        from minivllm.models.layers.attention import Attention
+        block_n, warps, stages = (int(v) for v in part.removeprefix("decode=").split(","))
+        default_config = paged.decode_config
+        paged.decode_config = kernels.decode_config = (
+            lambda head_dim: (block_n, warps, stages) if head_dim <= 64 else default_config(head_dim))
+    elif part.startswith("heads-fastest="):
+        import minivllm.kernels.paged_attention as paged
 
-        Attention.fused_kv_write = lambda self, q: None
-elif variant.split("+")[0] in ("skinny-all", "skinny-tile") or variant.startswith("skinny-tile="):
-    # skinny-all: the skinny GEMM for every product of at most 4 tokens; skinny-tile=BN,BK,WARPS,STAGES:
-    # that tile for every skinny product; joined with "+" (skinny-all+skinny-tile=...) both.
-    import minivllm.kernels.gemm as skinny
+        paged.DECODE_HEADS_FASTEST = part.removeprefix("heads-fastest=") == "1"
+    elif part == "torch-sampler":
+        import minivllm.sample.sampler as sampler
 
-    for part in variant.split("+"):
-        if part == "skinny-all":
-            skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
-        else:
-            bn, bk, warps, stages = (int(v) for v in part.removeprefix("skinny-tile=").split(","))
-            skinny.SKINNY_TILE = (bn, bk, warps, stages, False)
-elif variant != "default":
-    raise SystemExit(f"unknown variant {variant!r}")
+        sampler.one_pass_sampling_applies = lambda logits, metadata: False
+    elif part in ("nopdl", "merge-kernel", "unfused-kv", "before-pdl"):
+        if part in ("nopdl", "before-pdl"):
+            os.environ["MINIVLLM_PDL"] = "0"
+        if part in ("merge-kernel", "before-pdl"):
+            import minivllm.kernels.paged_attention as paged
+
+            paged.DECODE_MERGE_IN_KERNEL = False
+        if part in ("unfused-kv", "before-pdl"):
+            from minivllm.models.layers.attention import Attention
+
+            Attention.fused_kv_write = lambda self, q: None
+    elif part == "unfused-norm":  # every RMSNorm its own kernel again
+        import minivllm.models.layers.linear as linear
+
+        linear.norm_fusion_applies = lambda x, weight: False
+    elif part.startswith("norm-fusion-max="):  # the norm inside products of at most this many weight elements (Mi)
+        import minivllm.models.layers.custom_ops as custom_ops
+
+        custom_ops.NORM_FUSION_MAX_ELEMENTS = int(part.removeprefix("norm-fusion-max=")) << 20
+    elif part == "skinny-all":  # the skinny GEMM for every product of at most 4 tokens
+        import minivllm.kernels.gemm as skinny
+
+        skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
+    elif part.startswith("skinny-tile="):  # that tile for every skinny product
+        import minivllm.kernels.gemm as skinny
+
+        bn, bk, warps, stages = (int(v) for v in part.removeprefix("skinny-tile=").split(","))
+        skinny.skinny_tile = lambda num_tokens, tile=(bn, bk, warps, stages, False): tile
+    elif part != "default":
+        raise SystemExit(f"unknown variant {part!r}")
+
+
+for part in variant.split("+"):
+    apply(part)
 
 from minivllm.cli.main import main  # noqa: E402
 

@@ -17,6 +17,8 @@
 # steps' products at batch 16-256 against read and math floors)
 # pdl (batch 1-4 steps with programmatic dependent launch, the in-kernel decode merge and the
 # RoPE-written cache each turned off) pdl-throughput (throughput with and without all three)
+# chain (a dependent kernel's cost in a graph; the RMSNorm inside the next product or before it)
+# fusion (batch 1-4 steps with and without the norm fusion and the 1-2 token tile) async-both
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -126,6 +128,18 @@ for part in $PARTS; do
             VARIANT=$v bench "throughput-$shape-async-$v-$rep" throughput --shape $shape --async-scheduling
           done
         done
+      done ;;
+    chain)  # what one kernel costs in a chain of dependent kernels; the RMSNorm inside the next product or not
+      timeout 240 python3 scripts/gpu/chain_latency.py --json "$OUT/chain-latency.json" 2>&1 | tee -a "$LOG" ;;
+    fusion)  # batch 1-4 decode steps: the code as it is, without the norm fusion, and before it and the 1-2 token tile (FUSION_SHAPES)
+      for shape in ${FUSION_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+        for v in ${FUSION_VARIANTS:-default unfused-norm unfused-norm+skinny-tile=4,512,4,2}; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes ${FUSION_BATCHES:-1,2,4} --output-len 64 --num-iters 3 --async-scheduling
+        done
+      done ;;
+    async-both)  # offline throughput, async, both shapes, the code as it is
+      for shape in qwen3-0.6b llama-3.2-1b; do
+        bench "throughput-$shape-async" throughput --shape $shape --async-scheduling
       done ;;
     kernel-tests)
       timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -4 | tee -a "$LOG" ;;

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
 from minivllm.bench.ceilings import copy_bandwidth_gbps  # noqa: E402
-from minivllm.kernels.gemm import SKINNY_TILE, skinny_gemm, skinny_gemm_reference  # noqa: E402
+from minivllm.kernels.gemm import skinny_gemm, skinny_gemm_reference, skinny_tile  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -104,7 +104,7 @@ for model, (layers, shapes) in MODELS.items():
                 t = graph_time_us(lambda x, w: skinny_gemm(x, w, **v), weights, x)
                 return {**v, "us": t, "GBps": nbytes / t / 1e3, "rel_err": err}
 
-            default = measure(dict(zip(("block_n", "block_k", "num_warps", "num_stages", "sum_each_slice"), SKINNY_TILE)))
+            default = measure(dict(zip(("block_n", "block_k", "num_warps", "num_stages", "sum_each_slice"), skinny_tile(m))))
             # Variants whose tile holds more than 256 float32 values per thread would spill: skipped.
             fits = [v for v in VARIANTS if m_pad(m) * v["block_n"] * v["block_k"] <= 256 * 32 * v["num_warps"]]
             variants = [r for r in map(measure, fits) if r is not None]
