@@ -57,7 +57,7 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                             "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
-                            "skinny_gemm", "normed_skinny_gemm", "gumbel_sample"}
+                            "skinny_gemm", "gumbel_sample"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
 
@@ -269,60 +269,42 @@ def test_skinny_gemm(tokens, n, k, with_bias, sum_each_slice, gated, dtype, seed
     # A 64-wide K slice, so that most drawn K end mid-slice and the masks are exercised.
     out = kernel(x, weight, bias if with_bias else None, gated, block_k=64, sum_each_slice=sum_each_slice)
     assert out.shape == (tokens, n)
-    assert rel_err(out, reference(x, weight, bias if with_bias else None, gated)) < TOLERANCE[dtype]
+    want = reference(x, weight, bias if with_bias else None, gated)
+    # Error against the size of the terms summed (|input| @ |weight|.T + |bias|), not of the
+    # result: a sum that cancels has a tiny result, and then one ulp of rounding where the
+    # kernel's fp32 SiLU and torch's round an input differently is a large relative error of
+    # it (seen at 0.03-0.12 on bf16, gated, n = 1-3), though the kernel is as exact as it can be.
+    gated_in = reference(x, torch.eye(k, dtype=dtype, device=DEVICE), None, True) if gated else x
+    terms = gated_in.float().abs() @ weight.float().abs().T + (bias.float().abs() if with_bias else 0)
+    assert ((out.float() - want.float()).abs() / terms.clamp_min(1e-30)).max() < TOLERANCE[dtype]
 
 
-@FAST
-@given(tokens=st.integers(1, 8), n=st.integers(1, 300), k=st.integers(1, 700), with_residual=st.booleans(),
-       with_bias=st.booleans(), sum_each_slice=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_normed_skinny_gemm(tokens, n, k, with_residual, with_bias, sum_each_slice, dtype, seed):
-    # RMSNorm(x + residual) inside the product. The new residual is one rounding of an exact
-    # float32 sum, in the kernel and the reference alike: it must match bit for bit.
-    g = torch.Generator().manual_seed(seed)
-    x, residual, weight = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((tokens, k), (tokens, k), (n, k)))
-    norm_weight, bias = (torch.rand(size, generator=g).add(0.5).to(dtype).to(DEVICE) for size in (k, n))
-    args = (x, residual if with_residual else None, norm_weight, 1e-6, weight, bias if with_bias else None)
-    kernel, reference = KERNELS["normed_skinny_gemm"]
-    out, new_residual = kernel(*args, block_k=64, sum_each_slice=sum_each_slice)
-    want_out, want_residual = reference(*args)
-    assert out.shape == (tokens, n) and new_residual.shape == (tokens, k)
-    assert torch.equal(new_residual, want_residual)
-    assert rel_err(out, want_out) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("tokens", [1, 2, 3])
-@pytest.mark.parametrize("first_layer", [False, True])
-def test_mlp_block_with_the_norm_in_its_product_matches_the_torch_block(monkeypatch, tokens, first_layer):
-    """LlamaMLP on the kernels (on the CPU through Triton's interpreter): for 1-2 tokens the
-    norm runs inside the gate/up product and SiLU-and-mul inside the down product; for 3
-    the norm is its own kernel. Output and new residual match the layers' torch code."""
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
+    """LlamaMLP on the kernels (on the CPU through Triton's interpreter): for up to 4 tokens
+    the down product's skinny kernel does SiLU-and-mul itself, for 5 the separate kernel
+    does. The output matches the layer's torch code."""
     from types import SimpleNamespace
 
     import minivllm.models.layers.activation as activation
     import minivllm.models.layers.custom_ops as custom_ops
-    import minivllm.models.layers.norm as norm
     from minivllm.models.llama import LlamaMLP
-    from minivllm.models.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(tokens)
     mlp = LlamaMLP(SimpleNamespace(hidden_size=48, intermediate_size=80, hidden_act="silu")).to(DEVICE)
-    post_norm = RMSNorm(48, 1e-6).to(DEVICE)
-    for param in (*mlp.parameters(), post_norm.weight):
-        param.data = torch.randn(param.shape, generator=g).to(DEVICE) * 0.3 + (1.0 if param is post_norm.weight else 0.0)
-    x, residual = (torch.randn(tokens, 48, generator=g).to(DEVICE) for _ in range(2))
-    residual = None if first_layer else residual
-    want_out, want_residual = mlp(x, residual, post_norm)  # the torch code (no kernels on the CPU)
-    fused = []
+    for param in mlp.parameters():
+        param.data = torch.randn(param.shape, generator=g).to(DEVICE) * 0.3
+    x = torch.randn(tokens, 48, generator=g).to(DEVICE)
+    want = mlp(x)  # the torch code (no kernels on the CPU)
+    called = []
     real_call_kernel = custom_ops.call_kernel
-    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: fused.append(name) or real_call_kernel(name, *a, **kw))
-    for module in (custom_ops, norm, activation):
+    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: called.append(name) or real_call_kernel(name, *a, **kw))
+    monkeypatch.setattr(activation, "call_kernel", custom_ops.call_kernel)
+    for module in (custom_ops, activation):
         monkeypatch.setattr(module, "use_triton_ops", lambda t: True)
-    monkeypatch.setattr("minivllm.models.layers.linear.call_kernel", custom_ops.call_kernel)
-    out, new_residual = mlp(x, residual, post_norm)
-    assert ("normed_skinny_gemm" in fused) == (tokens <= 2)
-    assert torch.equal(new_residual, x if first_layer else x + residual)
-    assert torch.equal(want_residual, new_residual)
-    assert rel_err(out, want_out) < 1e-4  # float32; the kernels sum in another order than torch
+    out = mlp(x)
+    assert ("silu_and_mul" in called) == (tokens > 4)
+    assert rel_err(out, want) < 1e-4  # float32; the kernels sum in another order than torch
 
 
 def test_skinny_gemm_refuses_more_tokens_than_it_is_for():

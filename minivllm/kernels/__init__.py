@@ -30,13 +30,7 @@ from minivllm.kernels.paged_attention import (
 )
 from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
-from minivllm.kernels.gemm import (
-    SKINNY_MAX_TOKENS,
-    normed_skinny_gemm,
-    normed_skinny_gemm_reference,
-    skinny_gemm,
-    skinny_gemm_reference,
-)
+from minivllm.kernels.gemm import SKINNY_MAX_TOKENS, skinny_gemm, skinny_gemm_reference
 from minivllm.kernels.sampling import gumbel_sample, gumbel_sample_reference
 from minivllm.kernels.rotary import (
     qk_norm_rotary_embedding,
@@ -55,7 +49,6 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "qk_norm_rotary_embedding": (qk_norm_rotary_embedding, qk_norm_rotary_embedding_reference),
     "silu_and_mul": (silu_and_mul, silu_and_mul_reference),
     "skinny_gemm": (skinny_gemm, skinny_gemm_reference),
-    "normed_skinny_gemm": (normed_skinny_gemm, normed_skinny_gemm_reference),
     "gumbel_sample": (gumbel_sample, gumbel_sample_reference),
 }
 # --8<-- [end:registry]

@@ -31,8 +31,8 @@ SKINNY_MAX_TOKENS = 8
 def skinny_gemm_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False
 ) -> torch.Tensor:
-    if gated_input:  # x = [gate | up]: the product's input is silu(gate) * up, rounded as its own kernel's output
-        x = silu_and_mul_reference(x).to(x.dtype)
+    if gated_input:  # x = [gate | up]: the product's input is silu(gate) * up in float32, rounded once to x's dtype
+        x = silu_and_mul_reference(x.float()).to(x.dtype)
     out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()
@@ -46,8 +46,6 @@ def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
-    residual_ptr=None, norm_weight_ptr=None, residual_out_ptr=None, residual_stride=0, eps=0.0,
-    NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -71,12 +69,6 @@ def _skinny_gemm_kernel(
     rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
     computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
     would store it: the MLP's down projection then needs no activation kernel before it.
-    NORM (not part of the exercise either): the product's input is RMSNorm(h) with h = x (+
-    the residual, with HAS_RESIDUAL, added in float32 and rounded to x's dtype), the fused
-    add + RMSNorm kernel's output, so that kernel is not needed before the product. Because
-    RMSNorm only scales each row, sum_k h*rstd*g*w = rstd * sum_k h*g*w: the loop multiplies
-    h by the norm weight g, sums h² on the side, and scales by rstd after the loop, so no
-    pass over the row comes first. Program 0 stores h, the new residual stream.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -93,22 +85,9 @@ def _skinny_gemm_kernel(
         out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:  # partial products per (m, n, k-lane), summed over the lanes after the loop
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if NORM:
-        sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = (k + offs_k) < K
         a = tl.load(x_rows + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:
-            mk_mask = m_mask[:, None] & k_mask[None, :]
-            if HAS_RESIDUAL:  # h = x + residual in float32, kept in the model dtype as the residual stream
-                r = tl.load(residual_ptr + offs_m[:, None] * residual_stride + k + offs_k[None, :], mask=mk_mask, other=0.0)
-                a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if tl.program_id(0) == 0:
-                    tl.store(residual_out_ptr + offs_m[:, None] * K + k + offs_k[None, :], a, mask=mk_mask)
-            h = a.to(tl.float32)
-            sum_squares += tl.sum(h * h, axis=1)
-            g = tl.load(norm_weight_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            a = h * g[None, :]  # times rstd after the loop
         if GATED:
             gate = a.to(tl.float32)
             up = tl.load(x_rows + K + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -122,8 +101,6 @@ def _skinny_gemm_kernel(
             acc += products
     if not SUM_EACH_SLICE:
         out = tl.sum(acc, axis=2)
-    if NORM:
-        out = out * (1.0 / tl.sqrt(sum_squares / K + eps))[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride + offs_n[None, :]
@@ -168,13 +145,12 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    sum_each_slice: bool | None = None, use_pdl: bool | None = None, _norm: tuple | None = None,
+    sum_each_slice: bool | None = None, use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for x of at most SKINNY_MAX_TOKENS rows (after flattening).
 
     With `gated_input`, x's rows are [gate | up] (twice weight's in-features) and the product
-    is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel. (`_norm` is
-    `normed_skinny_gemm`'s: the norm's extra arguments.)
+    is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel.
     """
     n, k = weight.shape
     x2 = x.reshape(-1, 2 * k if gated_input else k)
@@ -185,7 +161,6 @@ def skinny_gemm(
         x2 = x2.contiguous()
     weight = weight.contiguous()  # the kernel steps K elements from row to row
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    norm_args = {} if _norm is None else _norm_kernel_args(x2, *_norm)
     tile = skinny_tile(m)
     block_n = block_n or tile[0]
     block_k = min(block_k or tile[1], next_power_of_2(k))  # a slice wider than K only adds masked lanes
@@ -197,46 +172,6 @@ def skinny_gemm(
             x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input, num_warps=num_warps, num_stages=num_stages,
-            **norm_args, **pdl_launch_options(use_pdl),
+            **pdl_launch_options(use_pdl),
         )
     return out.view(*x.shape[:-1], n)
-
-
-def _norm_kernel_args(x2: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      residual_out: torch.Tensor | None) -> dict:
-    if residual is None:
-        return dict(norm_weight_ptr=norm_weight, eps=eps, NORM=True, HAS_RESIDUAL=False)
-    residual2 = residual.reshape(x2.shape)
-    assert residual2.stride(-1) == 1, "residual must have unit stride in its last dimension"
-    return dict(residual_ptr=residual2, norm_weight_ptr=norm_weight, residual_out_ptr=residual_out,
-                residual_stride=residual2.stride(0), eps=eps, NORM=True, HAS_RESIDUAL=True)
-
-
-def normed_skinny_gemm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from minivllm.kernels.rms_norm import fused_add_rms_norm_reference
-
-    h, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
-    return skinny_gemm_reference(h, weight, bias), new_residual
-
-
-# --8<-- [start:normed-skinny-gemm]
-def normed_skinny_gemm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None, **tile,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`RMSNorm(x + residual) @ weight.T (+ bias)` in one kernel, and the new residual x + residual.
-
-    What the fused add + RMSNorm kernel followed by `skinny_gemm` compute, one kernel fewer
-    (a pre-norm layer's norm and the product after it). With residual None (the first
-    layer) the norm's input is x, and x is also the residual returned. The normalized rows
-    are never rounded to the model dtype here, so results differ from the two kernels' by
-    that rounding. `tile` takes skinny_gemm's tile arguments.
-    """
-    residual_out = None if residual is None else torch.empty(x.reshape(-1, x.shape[-1]).shape, dtype=x.dtype,
-                                                             device=x.device)
-    out = skinny_gemm(x, weight, bias, _norm=(residual, norm_weight, eps, residual_out), **tile)
-    return out, (x if residual is None else residual_out.view(x.shape))
-# --8<-- [end:normed-skinny-gemm]

@@ -48,12 +48,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention block of a pre-norm layer: norm(hidden_states + residual) first (in
-        the qkv product's kernel, for a few tokens on CUDA). Returns (output, new residual)."""
-        qkv, residual = self.qkv_proj.forward_normed(hidden_states, residual, norm)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -64,7 +60,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_write=kv_write)
         else:
             q, k = self.rotary_emb(positions, q, k, kv_write=kv_write)
-        return self.o_proj(self.attn(q, k, v, kv_written=kv_write is not None)), residual
+        return self.o_proj(self.attn(q, k, v, kv_written=kv_write is not None))
 # --8<-- [end:llama-attention]
 
 
@@ -77,14 +73,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP block: norm(x + residual), gate/up, SiLU-and-mul, down. Returns (output, new residual)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         # A few tokens on CUDA: the down product's skinny kernel does SiLU-and-mul itself.
         down_input = gate_up[..., : self.down_proj.weight.shape[1]]  # the shape the product sees
         if skinny_gemm_applies(down_input, self.down_proj.weight):
-            return self.down_proj(gate_up, gated_input=True), residual
-        return self.down_proj(self.act_fn(gate_up)), residual
+            return self.down_proj(gate_up, gated_input=True)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 # --8<-- [start:llama-decoder-layer]
@@ -99,10 +94,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pre-norm, x + f(norm(x)) twice, with each residual add done by the norm that follows
-        # it; each block applies its norm first (residual None in the first layer: nothing to add).
-        hidden_states, residual = self.self_attn(positions, hidden_states, residual, self.input_layernorm)
-        return self.mlp(hidden_states, residual, self.post_attention_layernorm)
+        # Pre-norm with the residual add fused into each norm: x + f(norm(x)), twice.
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 # --8<-- [end:llama-decoder-layer]
 
 

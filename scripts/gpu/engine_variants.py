@@ -11,9 +11,7 @@ linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage 
 second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
-(that tile for every skinny product), `unfused-norm` (every RMSNorm its own kernel, none
-inside the next product), `norm-fusion-max=MI` (the norm inside products of at most MI Mi
-weight elements), or several joined by "+" (applied in order). It lets one GPU run compare
+(that tile for every skinny product), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -62,14 +60,6 @@ def apply(part: str) -> None:
             from minivllm.models.layers.attention import Attention
 
             Attention.fused_kv_write = lambda self, q: None
-    elif part == "unfused-norm":  # every RMSNorm its own kernel again
-        import minivllm.models.layers.linear as linear
-
-        linear.norm_fusion_applies = lambda x, weight: False
-    elif part.startswith("norm-fusion-max="):  # the norm inside products of at most this many weight elements (Mi)
-        import minivllm.models.layers.custom_ops as custom_ops
-
-        custom_ops.NORM_FUSION_MAX_ELEMENTS = int(part.removeprefix("norm-fusion-max=")) << 20
     elif part == "skinny-all":  # the skinny GEMM for every product of at most 4 tokens
         import minivllm.kernels.gemm as skinny
 

@@ -17,8 +17,8 @@
 # steps' products at batch 16-256 against read and math floors)
 # pdl (batch 1-4 steps with programmatic dependent launch, the in-kernel decode merge and the
 # RoPE-written cache each turned off) pdl-throughput (throughput with and without all three)
-# chain (a dependent kernel's cost in a graph; the RMSNorm inside the next product or before it)
-# fusion (batch 1-4 steps with and without the norm fusion and the 1-2 token tile) async-both
+# chain (a dependent kernel's cost in a graph; a pre-norm product with and without its norm)
+# tile (batch 1-4 steps with the 1-2 token skinny tile and without) async-both
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes).
 set -uo pipefail
@@ -129,12 +129,12 @@ for part in $PARTS; do
           done
         done
       done ;;
-    chain)  # what one kernel costs in a chain of dependent kernels; the RMSNorm inside the next product or not
+    chain)  # what one kernel costs in a chain of dependent kernels; a pre-norm product with and without its norm
       timeout 240 python3 scripts/gpu/chain_latency.py --json "$OUT/chain-latency.json" 2>&1 | tee -a "$LOG" ;;
-    fusion)  # batch 1-4 decode steps: the code as it is, without the norm fusion, and before it and the 1-2 token tile (FUSION_SHAPES)
-      for shape in ${FUSION_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
-        for v in ${FUSION_VARIANTS:-default unfused-norm unfused-norm+skinny-tile=4,512,4,2}; do
-          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes ${FUSION_BATCHES:-1,2,4} --output-len 64 --num-iters 3 --async-scheduling
+    tile)  # batch 1-4 decode steps with the 1-2 token skinny tile (default) and with the 3-8 token one (TILE_SHAPES)
+      for shape in ${TILE_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+        for v in default skinny-tile=4,512,4,2; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
         done
       done ;;
     async-both)  # offline throughput, async, both shapes, the code as it is

@@ -49,19 +49,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return call_kernel("skinny_gemm", x, weight, bias)
     return F.linear(x, weight, bias)
 # --8<-- [end:linear]
-
-
-# --8<-- [start:norm-fusion]
-# Products whose RMSNorm runs inside their skinny kernel: 1-2 tokens, weights of at most 8 Mi
-# elements (Qwen3-0.6B's qkv and gate_up, Llama-3.2-1B's qkv). Llama's 32 Mi-element gate_up
-# stays with the norm kernel and cuBLAS, which reads large matrices faster (chapter 06).
-NORM_FUSION_MAX_TOKENS = 2
-NORM_FUSION_MAX_ELEMENTS = 8 << 20
-
-
-def norm_fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether RMSNorm(x) @ weight.T is done by one kernel (`normed_skinny_gemm`)."""
-    if not use_triton_ops(x) or weight.dtype != x.dtype or torch.compiler.is_compiling():
-        return False
-    return x.numel() // x.shape[-1] <= NORM_FUSION_MAX_TOKENS and weight.numel() <= NORM_FUSION_MAX_ELEMENTS
-# --8<-- [end:norm-fusion]

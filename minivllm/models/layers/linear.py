@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from minivllm.models.layers.custom_ops import call_kernel, linear, norm_fusion_applies
+from minivllm.models.layers.custom_ops import linear
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -46,20 +46,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)  # F.linear, or a Triton kernel for 1-4 tokens
-
-    # --8<-- [start:forward-normed]
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x + residual)` (residual None: `norm(x)`), then this product; returns
-        (product, new residual). For 1-2 tokens on CUDA one kernel does both."""
-        if norm_fusion_applies(x, self.weight):
-            return call_kernel("normed_skinny_gemm", x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        h, residual = norm(x, residual)
-        return self(h), residual
-    # --8<-- [end:forward-normed]
 
 
 class ReplicatedLinear(LinearBase):
