@@ -8,9 +8,10 @@ program processes (BLOCK_N) is independent of the cache's block size.
 **Decode** (one query token per request). One program per (request, KV head, split) loads the
 query rows of all query heads that share that KV head (GQA: the group is read once, used G
 times), walks its share of the context with an online softmax, and writes an unnormalized
-partial result; a second kernel merges the splits (flash-decoding). Splitting the context
-keeps the GPU busy when there are few requests with long contexts; with one split there is
-nothing to merge, and the program writes the output itself.
+partial result; the last split of the (request, KV head) to finish merges them (flash-decoding).
+Splitting the context keeps the GPU busy when there are few requests with long contexts; each
+context's split length follows its own length, so a short one needs one split, nothing to
+merge, and its program writes the output itself.
 
 **Prefill** (new prompts, continued chunks). One program per (tile of BLOCK_M query tokens of
 one request, KV head) packs the G query heads of that KV head into its rows and attends to the
@@ -101,12 +102,12 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
 
 
 # --8<-- [start:decode-partial-kernel]
-# num_splits and split_size change from step to step; left unspecialized, they never cause a
+# num_splits and min_split change from step to step; left unspecialized, they never cause a
 # recompile (Triton would otherwise compile a variant for 1 and for multiples of 16).
-@triton.jit(do_not_specialize=["num_splits", "split_size"])
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
-    scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, split_size,
+    scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, min_split,
     out_ptr, out_stride_seq, out_stride_head, counters_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -124,11 +125,14 @@ def _decode_partial_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # This context's split length, from its own length: its share of the launch's splits in
+    # whole tiles, never shorter than min_split tokens. The launch is sized for the longest
+    # context of the batch (in a CUDA graph, max_model_len), so a short context uses only the
+    # first few splits (one, if it fits in min_split tokens) and the later ones are empty.
+    split_size = tl.maximum(min_split, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
-    # Splits that hold a token of this context: the launch covers the longest context of the
-    # batch (in a CUDA graph, max_model_len), so a short one leaves the later splits empty.
-    num_active = tl.cdiv(seq_len, split_size)
+    num_active = tl.cdiv(seq_len, split_size)  # the splits that hold a token of this context
     if MERGE_IN_KERNEL:
         if split >= num_active:
             return  # nothing to attend to, and the merge does not wait for this split
@@ -238,6 +242,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
     out: torch.Tensor | None = None, heads_fastest: bool | None = None, merge_in_kernel: bool | None = None,
+    min_split_tiles: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
@@ -246,6 +251,8 @@ def paged_decode_attention(
     and writes the output itself. With several, the last split of each (sequence, KV head) to
     finish merges them in the same kernel (`merge_in_kernel`, the default); a context that
     fits in one split skips the merge. With merge_in_kernel=False a second kernel merges.
+    `num_splits` is the launch's; each context's splits are its own length over num_splits,
+    in whole tiles and at least `min_split_tiles` tiles (default DECODE_MIN_SPLIT_TILES).
     """
     num_seqs, num_heads, head_dim = query.shape
     default_block_n, default_warps, default_stages = decode_config(head_dim)
@@ -254,10 +261,11 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    min_split = (min_split_tiles or DECODE_MIN_SPLIT_TILES) * block_n
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, programs_per_sm)
-    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, split_size)
+    # No more splits than the longest context fills (each at least min_split tokens).
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, min_split)))
     query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
     if out is None:
         out = torch.empty_like(query)
@@ -276,7 +284,7 @@ def paged_decode_attention(
     _decode_partial_kernel[grid](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
-        block_tables.stride(0), num_splits, split_size, out, out.stride(0), out.stride(1), counters,
+        block_tables.stride(0), num_splits, min_split, out, out.stride(0), out.stride(1), counters,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
         ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, MERGE_IN_KERNEL=merge_in_kernel,
@@ -296,6 +304,8 @@ def paged_decode_attention(
 
 DECODE_HEADS_FASTEST = False
 DECODE_MERGE_IN_KERNEL = True
+# The shortest split, in tiles: each split costs a partial write and its share of the merge.
+DECODE_MIN_SPLIT_TILES = 2
 
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -337,12 +347,12 @@ def decode_num_splits(
 ) -> int:
     """How many splits the decode kernel cuts each context into.
 
-    Enough programs to fill every SM a few times over, but splits no shorter than two tiles:
-    each split costs a partial write and a merge read.
+    Enough programs to fill every SM a few times over, but splits no shorter than
+    DECODE_MIN_SPLIT_TILES tiles: each split costs a partial write and a merge read.
     """
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(wanted, triton.cdiv(max_seq_len, 2 * block_n)))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, DECODE_MIN_SPLIT_TILES * block_n)))
 
 
 def merge_block_s(num_splits: int) -> int:

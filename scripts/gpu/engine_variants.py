@@ -11,7 +11,8 @@ linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage 
 second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
-(that tile for every skinny product), or several joined by "+" (applied in order). It lets one GPU run compare
+(that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
+tiles), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -69,6 +70,10 @@ def apply(part: str) -> None:
 
         bn, bk, warps, stages = (int(v) for v in part.removeprefix("skinny-tile=").split(","))
         skinny.skinny_tile = lambda num_tokens, tile=(bn, bk, warps, stages, False): tile
+    elif part.startswith("min-split="):  # the decode kernel's shortest split, in tiles
+        import minivllm.kernels.paged_attention as paged
+
+        paged.DECODE_MIN_SPLIT_TILES = int(part.removeprefix("min-split="))
     elif part != "default":
         raise SystemExit(f"unknown variant {part!r}")
 

@@ -20,7 +20,8 @@
 # chain (a dependent kernel's cost in a graph; a pre-norm product with and without its norm)
 # tile (batch 1-4 steps with the 1-2 token skinny tile and without) async-both
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
-# with piecewise graphs against eager: step profile and latency, both graph modes).
+# with piecewise graphs against eager: step profile and latency, both graph modes) split (the
+# decode kernel's shortest split: a graph of decode calls, and Qwen3-0.6B steps per setting).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -136,6 +137,11 @@ for part in $PARTS; do
         for v in default skinny-tile=4,512,4,2; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
         done
+      done ;;
+    split)  # the decode kernel's shortest split: a graph of decode calls, then Qwen3-0.6B batch 1-4 steps per setting (SPLIT_TILES)
+      timeout 240 python3 scripts/gpu/decode_split_latency.py --json "$OUT/decode-split.json" 2>&1 | tail -30 | tee -a "$LOG"
+      for t in ${SPLIT_TILES:-1 2 4 8}; do
+        VARIANT=min-split=$t bench "latency-qwen3-0.6b-min-split-$t" latency --shape qwen3-0.6b --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
       done ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
