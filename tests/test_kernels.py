@@ -66,25 +66,27 @@ def test_registry_lists_every_kernel_with_a_reference():
 @given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), group=st.sampled_from([1, 2, 4, 8]),
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]), splits=st.integers(1, 3),
        heads_fastest=st.booleans(), merge_in_kernel=st.booleans(), block_n=st.sampled_from([16, None]),
-       min_split_tiles=st.sampled_from([None, 1, 3]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+       min_split_tiles=st.sampled_from([None, 1, 3]), whole_context_tiles=st.sampled_from([None, 0, 2]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_paged_decode_attention(seq_lens, group, head_dim, block_size, splits, heads_fastest, merge_in_kernel,
-                                block_n, min_split_tiles, dtype, seed):
+                                block_n, min_split_tiles, whole_context_tiles, dtype, seed):
     # Both launch orders (sequences or KV heads fastest in the grid) and both merges (by the
     # last split to finish, or by a second kernel) compute the same thing; 16-token tiles
     # make even short contexts span several splits, each as long as its own context needs.
     kernel, reference = KERNELS["paged_decode_attention"]
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, group, head_dim, block_size, dtype, seed)
     out = kernel(q, kv, bt, sl, head_dim**-0.5, num_splits=splits, heads_fastest=heads_fastest,
-                 merge_in_kernel=merge_in_kernel, block_n=block_n, min_split_tiles=min_split_tiles)
+                 merge_in_kernel=merge_in_kernel, block_n=block_n, min_split_tiles=min_split_tiles,
+                 whole_context_tiles=whole_context_tiles)
     assert rel_err(out, reference(q, kv, bt, sl, head_dim**-0.5)) < TOLERANCE[dtype]
 
 
 @FAST
 @given(seq_lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), bound=st.integers(200, 1200),
-       splits=st.integers(2, 12), min_split_tiles=st.sampled_from([1, 2, 4]), dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
-def test_decode_merge_by_the_last_split_as_a_cuda_graph_launches_it(seq_lens, bound, splits, min_split_tiles, dtype,
-                                                                    seed):
+       splits=st.integers(2, 12), min_split_tiles=st.sampled_from([1, 2, 4]), whole_context_tiles=st.sampled_from([0, 4]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_decode_merge_by_the_last_split_as_a_cuda_graph_launches_it(seq_lens, bound, splits, min_split_tiles,
+                                                                    whole_context_tiles, dtype, seed):
     """A CUDA graph launches the decode kernel for max_model_len: most splits of a short
     context are empty, and a context may fit in one split. The merging program must wait for
     exactly the splits that hold tokens, leave every counter at zero for the next launch, and
@@ -95,8 +97,10 @@ def test_decode_merge_by_the_last_split_as_a_cuda_graph_launches_it(seq_lens, bo
     q, kv, bt, sl = paged_problem(seq_lens, [1] * len(seq_lens), 2, 2, 64, 16, dtype, seed)
     ref = reference(q, kv, bt, sl, 64**-0.5)
     # 16-token tiles and splits of at least 16-64 tokens: a context of up to 200 spans 1 to 12
-    # of them, each context its own split length, whatever the bound the launch was sized for.
-    launch = dict(max_seq_len=bound, num_splits=splits, block_n=16, merge_in_kernel=True, min_split_tiles=min_split_tiles)
+    # of them, each context its own split length, whatever the bound the launch was sized for
+    # (and with whole_context_tiles=4, one of at most 64 tokens is not split).
+    launch = dict(max_seq_len=bound, num_splits=splits, block_n=16, merge_in_kernel=True,
+                  min_split_tiles=min_split_tiles, whole_context_tiles=whole_context_tiles)
     first = kernel(q, kv, bt, sl, 64**-0.5, **launch)
     assert rel_err(first, ref) < TOLERANCE[dtype]
     assert not split_counters(q.device, 0).any(), "a counter was left non-zero: the next launch would merge early"

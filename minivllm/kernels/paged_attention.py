@@ -104,10 +104,10 @@ def _decode_tile(acc, m_i, l_i, q, k, v, n_mask, scale, DOT_PRECISION: tl.conste
 # --8<-- [start:decode-partial-kernel]
 # num_splits and min_split change from step to step; left unspecialized, they never cause a
 # recompile (Triton would otherwise compile a variant for 1 and for multiples of 16).
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
+@triton.jit(do_not_specialize=["num_splits", "min_split", "whole_len"])
 def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
-    scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, min_split,
+    scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, min_split, whole_len,
     out_ptr, out_stride_seq, out_stride_head, counters_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -126,10 +126,12 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # This context's split length, from its own length: its share of the launch's splits in
-    # whole tiles, never shorter than min_split tokens. The launch is sized for the longest
-    # context of the batch (in a CUDA graph, max_model_len), so a short context uses only the
-    # first few splits (one, if it fits in min_split tokens) and the later ones are empty.
+    # whole tiles, never shorter than min_split tokens; a context of at most whole_len tokens
+    # stays in one split (a few tiles in a row cost less than a merge). The launch is sized for
+    # the longest context of the batch (in a CUDA graph, max_model_len), so a short context
+    # uses only the first few splits and the later ones are empty.
     split_size = tl.maximum(min_split, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
+    split_size = tl.where(seq_len <= whole_len, whole_len, split_size)
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
     num_active = tl.cdiv(seq_len, split_size)  # the splits that hold a token of this context
@@ -242,7 +244,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
     out: torch.Tensor | None = None, heads_fastest: bool | None = None, merge_in_kernel: bool | None = None,
-    min_split_tiles: int | None = None,
+    min_split_tiles: int | None = None, whole_context_tiles: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
@@ -252,7 +254,9 @@ def paged_decode_attention(
     finish merges them in the same kernel (`merge_in_kernel`, the default); a context that
     fits in one split skips the merge. With merge_in_kernel=False a second kernel merges.
     `num_splits` is the launch's; each context's splits are its own length over num_splits,
-    in whole tiles and at least `min_split_tiles` tiles (default DECODE_MIN_SPLIT_TILES).
+    in whole tiles and at least `min_split_tiles` tiles (default DECODE_MIN_SPLIT_TILES), and
+    a context of at most `whole_context_tiles` tiles (default DECODE_WHOLE_CONTEXT_TILES) is
+    not split at all.
     """
     num_seqs, num_heads, head_dim = query.shape
     default_block_n, default_warps, default_stages = decode_config(head_dim)
@@ -262,10 +266,14 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     min_split = (min_split_tiles or DECODE_MIN_SPLIT_TILES) * block_n
+    # At least one tile (a one-tile context fits any split anyway): the kernel's split length is never 0.
+    whole_len = max(1, DECODE_WHOLE_CONTEXT_TILES if whole_context_tiles is None else whole_context_tiles) * block_n
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, programs_per_sm)
     # No more splits than the longest context fills (each at least min_split tokens).
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, min_split)))
+    if max_seq_len <= whole_len:
+        num_splits = 1
     query, block_tables, seq_lens = aligned(query), aligned(block_tables), aligned(seq_lens)
     if out is None:
         out = torch.empty_like(query)
@@ -284,7 +292,7 @@ def paged_decode_attention(
     _decode_partial_kernel[grid](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
-        block_tables.stride(0), num_splits, min_split, out, out.stride(0), out.stride(1), counters,
+        block_tables.stride(0), num_splits, min_split, whole_len, out, out.stride(0), out.stride(1), counters,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
         ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, MERGE_IN_KERNEL=merge_in_kernel,
@@ -304,8 +312,13 @@ def paged_decode_attention(
 
 DECODE_HEADS_FASTEST = False
 DECODE_MERGE_IN_KERNEL = True
-# The shortest split, in tiles: each split costs a partial write and its share of the merge.
-DECODE_MIN_SPLIT_TILES = 2
+# How a context is split (chapter 06, "The decode kernel's splits"; scripts/gpu/decode_split_latency.py
+# on the H200): a context of at most DECODE_WHOLE_CONTEXT_TILES tiles stays in one program,
+# since walking up to four tiles in a row took less time than splitting and merging them;
+# a longer one is cut into splits of at least DECODE_MIN_SPLIT_TILES tiles (one: the tiles of
+# one split also run one after another, so shorter splits finished sooner).
+DECODE_MIN_SPLIT_TILES = 1
+DECODE_WHOLE_CONTEXT_TILES = 4
 
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 

@@ -4,11 +4,12 @@
 
 A CUDA graph launches the decode kernel for max_model_len, so the launch has as many splits
 as the longest possible context needs; each context then cuts itself into splits of its own
-length over that count, in whole tiles and at least `min_split_tiles` tiles long. A short
-context in one split needs no merge but walks its tiles one after another; in several, the
-tiles run side by side and the last split merges. This times, in a graph of one decode call
-per layer (each layer its own cache, so the K/V come from memory as in a step), every
-shortest-split setting at a few batch sizes and context lengths, for head_dim 128 (Qwen3-0.6B:
+length over that count, in whole tiles and at least `min_split_tiles` tiles long, unless it
+has at most `whole_context_tiles` tiles and stays whole. A context in one split needs no merge
+but walks its tiles one after another; in several, the tiles run side by side and the last
+split merges. This times, in a graph of one decode call per layer (each layer its own cache,
+so the K/V come from memory as in a step), each setting MIN/WHOLE of `--settings` (1/1: no
+context kept whole beyond one tile) at a few batch sizes and context lengths, for head_dim 128 (Qwen3-0.6B:
 16 query and 8 KV heads, 28 layers) and 64 (Llama-3.2-1B: 32 and 8, 16 layers). Checks each
 setting against the float32 reference first. Prints a table last.
 """
@@ -33,7 +34,7 @@ parser.add_argument("--replays", type=int, default=40)
 parser.add_argument("--max-model-len", type=int, default=4096)
 parser.add_argument("--batches", default="1,4,32")
 parser.add_argument("--contexts", default="160,600,2000,4000")
-parser.add_argument("--tiles", default="1,2,4,8")
+parser.add_argument("--settings", default="2/1,1/1,4/1,8/1,1/4", help="min_split_tiles/whole_context_tiles, ...")
 args = parser.parse_args()
 
 device = torch.device("cuda")
@@ -66,7 +67,7 @@ def graph_us(fn, count: int) -> float:
 
 results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "copy_GBps": copy_bandwidth_gbps(), "max_model_len": args.max_model_len, "rows": []}
-tiles_list = [int(t) for t in args.tiles.split(",")]
+settings = [tuple(int(v) for v in item.split("/")) for item in args.settings.split(",")]
 for model, (heads, kv_heads, head_dim, layers) in MODELS.items():
     block_n = decode_config(head_dim)[0]
     for batch in (int(b) for b in args.batches.split(",")):
@@ -85,17 +86,17 @@ for model, (heads, kv_heads, head_dim, layers) in MODELS.items():
             kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
             row = {"model": model, "batch": batch, "context": context, "block_n": block_n,
                    "kv_floor_us": kv_bytes / results["copy_GBps"] / 1e3}
-            for tiles in tiles_list:
-                launch = dict(max_seq_len=args.max_model_len, min_split_tiles=tiles)
+            for min_tiles, whole_tiles in settings:
+                launch = dict(max_seq_len=args.max_model_len, min_split_tiles=min_tiles, whole_context_tiles=whole_tiles)
                 got = paged_decode_attention(queries[0], caches[0], table, seq_lens, head_dim**-0.5, **launch)
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                assert err < 1e-2, (model, batch, context, tiles, err)  # bf16 output rounding is ~4e-3
+                assert err < 1e-2, (model, batch, context, min_tiles, whole_tiles, err)  # bf16 output rounding is ~4e-3
 
                 def step(launch=launch):
                     for q, cache, out in zip(queries, caches, outs):
                         paged_decode_attention(q, cache, table, seq_lens, head_dim**-0.5, out=out, **launch)
 
-                row[f"tiles={tiles}"] = graph_us(step, layers)
+                row[f"{min_tiles}/{whole_tiles}"] = graph_us(step, layers)
             results["rows"].append(row)
             print(row, flush=True)
             del caches, queries, outs
@@ -103,8 +104,8 @@ for model, (heads, kv_heads, head_dim, layers) in MODELS.items():
 if args.json:
     json.dump(results, open(args.json, "w"), indent=1)
 print(f"copy {results['copy_GBps']:.0f} GB/s; decode attention in a graph sized for {args.max_model_len} tokens, "
-      "µs per layer, by the shortest split (tiles)")
-print(f"{'model':13} {'batch':>5} {'ctx':>5} {'floor':>6} " + " ".join(f"{'t=' + str(t):>7}" for t in tiles_list))
+      "µs per layer, by the shortest split / the longest context kept whole (tiles)")
+print(f"{'model':13} {'batch':>5} {'ctx':>5} {'floor':>6} " + " ".join(f"{f'{m}/{w}':>7}" for m, w in settings))
 for r in results["rows"]:
     print(f"{r['model']:13} {r['batch']:5} {r['context']:5} {r['kv_floor_us']:6.2f} "
-          + " ".join(f"{r[f'tiles={t}']:7.2f}" for t in tiles_list))
+          + " ".join(f"{r[f'{m}/{w}']:7.2f}" for m, w in settings))

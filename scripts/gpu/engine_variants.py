@@ -12,7 +12,7 @@ second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
-tiles), or several joined by "+" (applied in order). It lets one GPU run compare
+tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -74,6 +74,10 @@ def apply(part: str) -> None:
         import minivllm.kernels.paged_attention as paged
 
         paged.DECODE_MIN_SPLIT_TILES = int(part.removeprefix("min-split="))
+    elif part.startswith("whole-context="):  # the longest context the decode kernel keeps in one split, in tiles
+        import minivllm.kernels.paged_attention as paged
+
+        paged.DECODE_WHOLE_CONTEXT_TILES = int(part.removeprefix("whole-context="))
     elif part != "default":
         raise SystemExit(f"unknown variant {part!r}")
 

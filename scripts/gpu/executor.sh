@@ -138,10 +138,12 @@ for part in $PARTS; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
         done
       done ;;
-    split)  # the decode kernel's shortest split: a graph of decode calls, then Qwen3-0.6B batch 1-4 steps per setting (SPLIT_TILES)
+    split)  # the decode kernel's splits: a graph of decode calls, then batch 1-4 steps per variant (SPLIT_VARIANTS, SPLIT_SHAPES)
       timeout 240 python3 scripts/gpu/decode_split_latency.py --json "$OUT/decode-split.json" 2>&1 | tail -30 | tee -a "$LOG"
-      for t in ${SPLIT_TILES:-1 2 4 8}; do
-        VARIANT=min-split=$t bench "latency-qwen3-0.6b-min-split-$t" latency --shape qwen3-0.6b --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
+      for v in ${SPLIT_VARIANTS:-default min-split=2+whole-context=1}; do
+        for shape in ${SPLIT_SHAPES:-qwen3-0.6b}; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
+        done
       done ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
