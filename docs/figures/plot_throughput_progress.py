@@ -8,12 +8,15 @@ after the kernel warm-up and host-side fixes, the run that compared synchronous 
 async scheduling side by side, the run after fusing kernels (fewer launches per layer), and
 the run with piecewise CUDA graphs for the prefill steps, and the run with the skinny GEMM and
 the start-up heap frozen out of the garbage collector's sight (its second repetition), and
-the run with the one-pass sampling kernel (its second run); HF
+the run with the one-pass sampling kernel (its second run), and the runs at the commit of
+the batch-1 work (programmatic dependent launch, fewer kernels a layer: the median of its
+runs, three for Llama and one for Qwen3); HF
 transformers' `generate` beside them, and the physical bound of the same work as a red line.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -30,21 +33,36 @@ BARS = [  # (label, data file, run inside it or None, result name with {shape})
     ("piecewise\ngraphs,\nasync", "piecewise-h200-2026-12-03.json", "offline_async_7c5b525", "throughput-{shape}-async"),
     ("frozen\nstart-up heap,\nasync", "gc-freeze-h200-2026-12-03.json", "results", "throughput-{full}-async-default"),
     ("one-pass\nsampler,\nasync", "sampler-h200-2026-12-04.json", "results_17f517a", "throughput-{full}-async-default"),
+    ("PDL, fewer\nkernels,\nasync", "chain-fusion-h200-2026-12-04.json", "run2_51c24eb.throughput|run3_llama_ab.results",
+     "throughput-{full}-async|throughput-{full}-async-new-*"),
     ("HF generate", "executor-h200-2026-12-03.json", None, "throughput-{shape}-hf"),
 ]
-COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#0d1257", "#060930", "#616161"]
+COLORS = ["#9fa8da", "#7986cb", "#5c6bc0", "#3f51b5", "#283593", "#1a237e", "#0d1257", "#060930", "#000000", "#616161"]
 FULL_NAMES = {"qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b"}  # how the later data files name the shapes
 FLOOR = "#c62828"
 
 
 def result(label_file: str, runs: str | None, name: str) -> dict | None:
+    """The result `name` in the data file: at its top level, or in the first of `runs` that
+    holds it. A name with `*` or `|` is a set of patterns (fnmatch) matched in every run of
+    `runs` (a run may be a dotted path into the file), and the result is the median of the
+    matches by output tokens/s (the lower middle one of an even count)."""
     data = json.loads((DATA / label_file).read_text())
     if runs is None:
         return data.get(name)
-    for run in runs.split("|"):  # the first run that holds it
-        if name in data.get(run, {}):
-            return data[run][name]
-    return None
+    groups = []
+    for run in runs.split("|"):
+        group = data
+        for key in run.split("."):
+            group = group.get(key, {})
+        groups.append(group)
+    if "*" not in name and "|" not in name:
+        return next((group[name] for group in groups if name in group), None)  # the first run that holds it
+    patterns = name.split("|")
+    matches = [value for group in groups for key, value in group.items()
+               if any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)]
+    matches.sort(key=lambda r: r["output_tokens_per_s"])
+    return matches[(len(matches) - 1) // 2] if matches else None
 
 
 def plot(out: Path) -> None:
@@ -53,7 +71,7 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(17, 4.8))
     for ax, (shape, title) in zip(axes, [("qwen3", "Qwen3-0.6B"), ("llama", "Llama-3.2-1B")]):
         values, bound = [], None
         for label, file, runs, name in BARS:

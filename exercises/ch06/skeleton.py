@@ -25,8 +25,6 @@ def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
-    residual_ptr=None, norm_weight_ptr=None, residual_out_ptr=None, residual_stride=0, eps=0.0,
-    NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -50,12 +48,6 @@ def _skinny_gemm_kernel(
     rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
     computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
     would store it: the MLP's down projection then needs no activation kernel before it.
-    NORM (not part of the exercise either): the product's input is RMSNorm(h) with h = x (+
-    the residual, with HAS_RESIDUAL, added in float32 and rounded to x's dtype), the fused
-    add + RMSNorm kernel's output, so that kernel is not needed before the product. Because
-    RMSNorm only scales each row, sum_k h*rstd*g*w = rstd * sum_k h*g*w: the loop multiplies
-    h by the norm weight g, sums h² on the side, and scales by rstd after the loop, so no
-    pass over the row comes first. Program 0 stores h, the new residual stream.
     """
     raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked")
 

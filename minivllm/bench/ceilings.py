@@ -24,6 +24,20 @@ def _median_ms(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_us_per_call(fn, calls: int, replays: int = 50) -> float:
+    """Median µs per call of `fn`, which makes `calls` dependent kernel calls, captured in one
+    CUDA graph and replayed: what each costs in a chain, without the host's launches."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and allocate before the capture
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return _median_ms(graph.replay, repeats=replays) * 1e3 / calls
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randn(num_bytes // 4, device="cuda")

@@ -115,7 +115,7 @@ SKINNY_TILE = (4, 512, 4, 2, False)
 # For 1-2 tokens under PDL: two weight rows per program and 1,024-wide slices, so that for
 # K = 1,024 (Qwen3-0.6B's qkv and gate_up) a program's whole tile is loaded before gdc_wait,
 # while the previous kernel still runs. Chosen in the whole engine, where it made Qwen3-0.6B's
-# batch-1 decode step 8-9 % faster (scripts/gpu/engine_variants.py skinny-tile=..., chapter 06).
+# batch-1 decode step 7-10 % faster (scripts/gpu/engine_variants.py skinny-tile=..., chapter 06).
 SKINNY_TILE_FEW_TOKENS = (2, 1024, 4, 2, False)
 
 

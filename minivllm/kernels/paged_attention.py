@@ -312,11 +312,13 @@ def paged_decode_attention(
 
 DECODE_HEADS_FASTEST = False
 DECODE_MERGE_IN_KERNEL = True
-# How a context is split (chapter 06, "The decode kernel's splits"; scripts/gpu/decode_split_latency.py
-# on the H200): a context of at most DECODE_WHOLE_CONTEXT_TILES tiles stays in one program,
-# since walking up to four tiles in a row took less time than splitting and merging them;
-# a longer one is cut into splits of at least DECODE_MIN_SPLIT_TILES tiles (one: the tiles of
-# one split also run one after another, so shorter splits finished sooner).
+# How a context is split (chapter 06, "How the decode kernel splits a context";
+# scripts/gpu/decode_split_latency.py on the H200, docs/data/decode-split-h200-2026-12-04.json):
+# a context of at most DECODE_WHOLE_CONTEXT_TILES tiles stays in one program, where walking
+# its two or three tiles in a row took 6.0 µs against 7.4-7.8 µs split and merged (Qwen3-0.6B,
+# batch 1, 160 tokens), and 11.3 against 17-18 µs at batch 32; a longer one is cut into splits
+# of at least DECODE_MIN_SPLIT_TILES tiles (one or two tiles measured within about 2 µs of
+# each other either way, near the run-to-run spread).
 DECODE_MIN_SPLIT_TILES = 1
 DECODE_WHOLE_CONTEXT_TILES = 4
 

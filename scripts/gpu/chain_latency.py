@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.getcwd())
-from minivllm.bench.ceilings import copy_bandwidth_gbps  # noqa: E402
+from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call  # noqa: E402
 from minivllm.kernels import fused_add_rms_norm, skinny_gemm, skinny_gemm_reference  # noqa: E402
 from minivllm.kernels._utils import pdl_launch_options  # noqa: E402
 
@@ -49,30 +49,6 @@ def _add_one_kernel(x_ptr, out_ptr, N: tl.constexpr, USE_PDL: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1.0)
 
 
-def graph_us(fn, count: int) -> float:
-    """Median µs per link of a chain `fn` of `count` links, captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(args.replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2] / count
-
-
 device = torch.device("cuda")
 results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "copy_GBps": copy_bandwidth_gbps()}
@@ -84,7 +60,7 @@ for use_pdl in (False, True):
         for i in range(256):
             _add_one_kernel[(1,)](vectors[i % 2], vectors[(i + 1) % 2], N=1024, USE_PDL=use_pdl,
                                   **pdl_launch_options(use_pdl))
-    results[f"empty_kernel_us_pdl={use_pdl}"] = graph_us(add_chain, 256)
+    results[f"empty_kernel_us_pdl={use_pdl}"] = graph_us_per_call(add_chain, 256, args.replays)
 
 # 2. Pre-norm products in a chain, one per layer.
 SHAPES = {  # (model, product): (N, K, layers)
@@ -118,7 +94,7 @@ for (model, product), (n, k, layers) in SHAPES.items():
         row = {"model": model, "product": product, "N": n, "K": k, "tokens": tokens, "layers": layers,
                "rel_err": rel_err, "floor_us": n * k * 2 / results["copy_GBps"] / 1e3}
         for way in ("skinny alone", "norm + cublas", "norm + skinny"):
-            row[way] = graph_us(chain(way), layers)
+            row[way] = graph_us_per_call(chain(way), layers, args.replays)
         rows.append(row)
 results["chains"] = rows
 

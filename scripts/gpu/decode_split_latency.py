@@ -25,7 +25,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.getcwd())
-from minivllm.bench.ceilings import copy_bandwidth_gbps  # noqa: E402
+from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call  # noqa: E402
 from minivllm.kernels import decode_config, paged_decode_attention, paged_decode_attention_reference  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -40,29 +40,6 @@ args = parser.parse_args()
 device = torch.device("cuda")
 BLOCK_SIZE = 16
 MODELS = {"qwen3-0.6b": (16, 8, 128, 28), "llama-3.2-1b": (32, 8, 64, 16)}  # heads, KV heads, head_dim, layers
-
-
-def graph_us(fn, count: int) -> float:
-    """Median µs per call of `fn` (which makes `count` calls), captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(args.replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2] / count
 
 
 results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -96,7 +73,7 @@ for model, (heads, kv_heads, head_dim, layers) in MODELS.items():
                     for q, cache, out in zip(queries, caches, outs):
                         paged_decode_attention(q, cache, table, seq_lens, head_dim**-0.5, out=out, **launch)
 
-                row[f"{min_tiles}/{whole_tiles}"] = graph_us(step, layers)
+                row[f"{min_tiles}/{whole_tiles}"] = graph_us_per_call(step, layers, args.replays)
             results["rows"].append(row)
             print(row, flush=True)
             del caches, queries, outs
