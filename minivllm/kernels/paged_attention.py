@@ -265,8 +265,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    min_split = (min_split_tiles or DECODE_MIN_SPLIT_TILES) * block_n
-    # At least one tile (a one-tile context fits any split anyway): the kernel's split length is never 0.
+    # Both at least one tile, so the kernel's split length is never 0 (a one-tile context fits any split anyway).
+    min_split = max(1, DECODE_MIN_SPLIT_TILES if min_split_tiles is None else min_split_tiles) * block_n
     whole_len = max(1, DECODE_WHOLE_CONTEXT_TILES if whole_context_tiles is None else whole_context_tiles) * block_n
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, programs_per_sm)
@@ -360,7 +360,8 @@ def decode_config(head_dim: int) -> tuple[int, int, int]:
 def decode_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 64, programs_per_sm: int = 4
 ) -> int:
-    """How many splits the decode kernel cuts each context into.
+    """How many splits the decode kernel's launch has per (sequence, KV head); each context
+    then uses as many of them as its own length needs.
 
     Enough programs to fill every SM a few times over, but splits no shorter than
     DECODE_MIN_SPLIT_TILES tiles: each split costs a partial write and a merge read.
