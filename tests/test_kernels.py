@@ -55,8 +55,7 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 
 
 def test_registry_lists_every_kernel_with_a_reference():
-    assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_decode_attention_with_rope",
-                            "paged_prefill_attention",
+    assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                             "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
                             "skinny_gemm", "gumbel_sample"}
     for name, (kernel, reference) in KERNELS.items():
@@ -257,80 +256,6 @@ def test_rotary_embedding_writes_the_rotated_key_and_the_value_into_the_cache(
     assert torch.equal(kv[1].nan_to_num(), kv_ref[1].nan_to_num()), "v goes into the cache unchanged"
 
 
-def decode_rope_problem(seq_lens, group, head_dim, qk_norm, dtype, seed, padding_rows=0):
-    """A decode step as the fused kernel sees it: raw q/k/v as strided views of one qkv row per
-    sequence, a cache holding every earlier token and NaN at each newest token's slot (the
-    kernel must write it before anything reads it), positions, slots; then `padding_rows`
-    graph-padding rows (a one-token context in block 0, slot -1)."""
-    from minivllm.models.layers.rotary import RotaryEmbedding
-
-    num_kv_heads, block_size = 2, 16
-    lens = list(seq_lens) + [1] * padding_rows
-    _, kv, bt, sl = paged_problem(lens, [1] * len(lens), num_kv_heads, group, head_dim, block_size, dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    num_q = num_kv_heads * group
-    qkv = (2 * torch.randn(len(lens), (num_q + 2 * num_kv_heads) * head_dim, generator=g)).to(dtype).to(DEVICE)
-    q = qkv[:, : num_q * head_dim].view(len(lens), num_q, head_dim)
-    k = qkv[:, num_q * head_dim : (num_q + num_kv_heads) * head_dim].view(len(lens), num_kv_heads, head_dim)
-    v = qkv[:, (num_q + num_kv_heads) * head_dim :].view(len(lens), num_kv_heads, head_dim)
-    positions = (sl - 1).long()
-    slots = (bt.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size)
-    slots[len(seq_lens):] = -1
-    flat = kv.flatten(1, 2)
-    flat[:, slots[: len(seq_lens)]] = float("nan")
-    if padding_rows:
-        bt[len(seq_lens):] = 0
-    cos_sin = RotaryEmbedding(head_dim, 4096, 1000000.0).cos_sin_cache.to(DEVICE)
-    norm = ()
-    if qk_norm:
-        norm = tuple((1 + torch.rand(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)) + (1e-6,)
-    return (q, k, v, kv, bt, sl, head_dim**-0.5, positions, cos_sin, slots, *norm)
-
-
-@FAST
-@given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=3), group=st.sampled_from([1, 2, 4]),
-       head_dim=st.sampled_from([64, 128]), qk_norm=st.booleans(), splits=st.integers(1, 3),
-       merge_in_kernel=st.booleans(), block_n=st.sampled_from([16, None]), padding_rows=st.integers(0, 2),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_decode_attention_with_rope(seq_lens, group, head_dim, qk_norm, splits, merge_in_kernel, block_n,
-                                    padding_rows, dtype, seed):
-    """Against RoPE (and Qwen3's norm) with the cache write, then attention, in the references:
-    the same output for every real sequence; the rotated key and the value written at each
-    newest slot, by exactly one split; nothing written for padding rows; nothing else touched."""
-    kernel, reference = KERNELS["paged_decode_attention_with_rope"]
-    args = decode_rope_problem(seq_lens, group, head_dim, qk_norm, dtype, seed, padding_rows)
-    q, k, v, kv = args[:4]
-    kv_ref = kv.clone()
-    ref = reference(q, k, v, kv_ref, *args[4:])
-    out = kernel(*args, num_splits=splits, merge_in_kernel=merge_in_kernel, block_n=block_n, whole_context_tiles=1)
-    n = len(seq_lens)  # a padding row attends to its own fresh key (the cache's is never written): not compared
-    assert rel_err(out[:n], ref[:n]) < TOLERANCE[dtype]
-    assert torch.equal(kv.isnan(), kv_ref.isnan()), "the kernel wrote outside the newest slots (or missed one)"
-    assert rel_err(kv.nan_to_num(), kv_ref.nan_to_num()) < TOLERANCE[dtype]
-    assert torch.equal(kv[1].nan_to_num(), kv_ref[1].nan_to_num()), "v goes into the cache unchanged"
-
-
-@FAST
-@given(seq_lens=st.lists(st.integers(1, 150), min_size=1, max_size=3), group=st.sampled_from([1, 2, 4]),
-       head_dim=st.sampled_from([64, 128]), qk_norm=st.booleans(), splits=st.integers(1, 3),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_decode_attention_with_rope_gives_the_bits_of_the_two_kernels(seq_lens, group, head_dim, qk_norm, splits,
-                                                                       dtype, seed):
-    """The fused kernel and the RoPE kernel followed by the decode kernel compute the same bits
-    (output and cache): torch.compile'd models, which keep the two kernels, then produce the
-    same tokens as eager ones, which fuse them."""
-    fused, _ = KERNELS["paged_decode_attention_with_rope"]
-    args = decode_rope_problem(seq_lens, group, head_dim, qk_norm, dtype, seed)
-    q, k, v, kv, bt, sl, scale, positions, cos_sin, slots = args[:10]
-    kv_two = kv.clone()
-    out = fused(*args, num_splits=splits, block_n=16)
-    name = "qk_norm_rotary_embedding" if qk_norm else "rotary_embedding"
-    q2, _ = KERNELS[name][0](positions, q.clone(), k.clone(), cos_sin, *args[10:], v, kv_two, slots)
-    two = KERNELS["paged_decode_attention"][0](q2, kv_two, bt, sl, scale, num_splits=splits, block_n=16)
-    assert torch.equal(kv.nan_to_num(), kv_two.nan_to_num()) and torch.equal(kv.isnan(), kv_two.isnan())
-    assert torch.equal(out, two)
-
-
 @FAST
 @given(rows=st.integers(1, 7), d=st.integers(1, 1500), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_silu_and_mul(rows, d, dtype, seed):
@@ -528,23 +453,17 @@ def test_prefill_tiles_cover_every_query_once_heaviest_first():
     assert pairs == [(1, 0), (0, 64), (0, 32), (0, 0)]
 
 
-def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positions, kv, slots, bt, seq_lens, splits,
-                 fused_rope=False):
+def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positions, kv, slots, bt, seq_lens, splits):
     """A decoder layer's kernels at batch 1, each reading the one before: norm, qkv product,
     RoPE writing the cache, decode attention over that cache (several splits, merged in
-    the kernel; with fused_rope, one kernel doing both), o product, norm, gate/up product,
-    down product with SiLU-and-mul in it, and the separate SiLU-and-mul kernel (summed into
-    the output, to be checked too)."""
+    the kernel), o product, norm, gate/up product, down product with SiLU-and-mul in it, and
+    the separate SiLU-and-mul kernel (summed into the output, to be checked too)."""
     call = {name: kernel for name, (kernel, _) in KERNELS.items()}
     h, residual = call["fused_add_rms_norm"](x, residual, w_norm, 1e-6)
     qkv = call["skinny_gemm"](h, w_qkv)
     q, k, v = qkv.view(1, 12, 128).split([8, 2, 2], dim=1)
-    if fused_rope:
-        attn = call["paged_decode_attention_with_rope"](q, k, v, kv, bt, seq_lens, 128**-0.5, positions, cos_sin, slots,
-                                                        max_seq_len=2048, num_splits=splits)
-    else:
-        q, k = call["rotary_embedding"](positions, q, k, cos_sin, v, kv, slots)
-        attn = call["paged_decode_attention"](q, kv, bt, seq_lens, 128**-0.5, max_seq_len=2048, num_splits=splits)
+    q, k = call["rotary_embedding"](positions, q, k, cos_sin, v, kv, slots)
+    attn = call["paged_decode_attention"](q, kv, bt, seq_lens, 128**-0.5, max_seq_len=2048, num_splits=splits)
     o = call["skinny_gemm"](attn.view(1, -1), w_o)
     h, residual = call["fused_add_rms_norm"](o, residual, w_norm, 1e-6)
     gate_up = call["skinny_gemm"](h, w_up)
@@ -554,8 +473,7 @@ def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positio
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper (or newer) GPU")
-@pytest.mark.parametrize("fused_rope", [False, True])
-def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatch, fused_rope):
+def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatch):
     """With PDL each kernel starts before the previous one ends and waits (gdc_wait) before
     reading its output. A kernel that read too early would see the previous step's values:
     the chain replayed in a CUDA graph, with new inputs each time, must give exactly what
@@ -581,7 +499,7 @@ def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatc
 
     def run(inputs, cache):
         return _layer_chain(inputs["x"], inputs["residual"], w_norm, w_qkv, w_o, w_up, w_down, cos_sin, inputs["positions"],
-                            cache, inputs["slots"], bt, inputs["seq_lens"], splits=16, fused_rope=fused_rope)
+                            cache, inputs["slots"], bt, inputs["seq_lens"], splits=16)
 
     monkeypatch.setenv("MINIVLLM_PDL", "1")
     assert pdl_enabled(torch.device("cuda"))

@@ -65,20 +65,6 @@ class TritonAttentionBackend:
         return output
     # --8<-- [end:triton-attention-forward]
 
-    def decode_with_rope(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
-    ) -> torch.Tensor:
-        """A decode-only step from the raw q, k, v: RoPE (and the norms) and the cache write in
-        the decode kernel (`paged_decode_attention_with_rope`)."""
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        return self.kernels.call_kernel(
-            "paged_decode_attention_with_rope", query, key, value, kv_cache, meta.block_tables, meta.seq_lens, scale,
-            positions, cos_sin_cache, meta.slot_mapping, q_weight, k_weight, eps,
-            max_seq_len=self._longest_decode(meta), out=output,
-        )
-
     @staticmethod
     def _longest_decode(meta: AttentionMetadata) -> int:
         if "decode_max_seq_len" not in meta.backend_cache:  # the same for every layer of this step

@@ -218,8 +218,7 @@ class ModelRunner:
         stall every request in the step. One mixed step (a decode, and a prefill continuing
         cached tokens) runs every kernel of the forward pass, and one separate cache write
         the one piecewise graphs use; then the decode kernel is compiled for each split-tile
-        size its in-kernel merge can use (alone, and in a decode-only step, where it rotates q and
-        k itself); decode steps of 1, 2 and 4 requests compile the
+        size its in-kernel merge can use; decode steps of 1, 2 and 4 requests compile the
         skinny GEMM's variants (with the RMSNorm or the SiLU-and-mul inside, and the first
         layer's norm, which has no residual to add); last the one-pass sampler for the
         model's logits. Nothing is written: every slot is -1.
@@ -243,11 +242,9 @@ class ModelRunner:
             gumbel_sample(logits, torch.ones(1, device=self.device), 0, num_splits=num_splits)
         torch.cuda.synchronize(self.device)
 
-    def _warm_up_step(self, query_lens: list[int], seq_lens: list[int], longest: int | None = None) -> AttentionMetadata:
+    def _warm_up_step(self, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         """One forward pass over requests with these query and context lengths, decodes
-        (one-token queries) first; every slot is -1, so the cache is not written. `longest`:
-        the longest context the kernels are told to expect (sizing the decode kernel's splits,
-        as a CUDA graph's max_model_len does), if not the longest given."""
+        (one-token queries) first; every slot is -1, so the cache is not written."""
         num_tokens = sum(query_lens)
         int32 = dict(dtype=torch.int32, device=self.device)
         query_start_loc = [0]
@@ -260,8 +257,8 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, **int32),
             block_tables=torch.zeros(len(seq_lens), self.block_tables.gpu.shape[1], **int32),
             num_decodes=sum(1 for query_len in query_lens if query_len == 1),
-            max_query_len=max(query_lens), max_seq_len=longest or max(seq_lens),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=[longest] * len(seq_lens) if longest else seq_lens,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
         )
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(self.device)
         with set_forward_context(meta):
@@ -286,8 +283,6 @@ class ModelRunner:
         for splits in dict.fromkeys(split_counts):
             kernels.paged_decode_attention(query, layer.kv_cache, block_tables, seq_lens, layer.scale,
                                            max_seq_len=splits * block_n, num_splits=splits, block_n=block_n)
-            # A decode-only step's kernel, which also rotates q and k (and compiles as its own variant).
-            self._warm_up_step([1], [1], longest=splits * block_n)
     # --8<-- [end:warm-up]
 
     # --8<-- [start:capture-cuda-graphs]

@@ -20,8 +20,6 @@ from minivllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minivllm.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
-    paged_decode_attention_with_rope,
-    paged_decode_attention_with_rope_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     decode_num_splits,
@@ -45,7 +43,6 @@ from minivllm.kernels.rotary import (
 KERNELS: dict[str, tuple[Callable, Callable]] = {
     "reshape_and_cache": (reshape_and_cache, reshape_and_cache_reference),
     "paged_decode_attention": (paged_decode_attention, paged_decode_attention_reference),
-    "paged_decode_attention_with_rope": (paged_decode_attention_with_rope, paged_decode_attention_with_rope_reference),
     "paged_prefill_attention": (paged_prefill_attention, paged_prefill_attention_reference),
     "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_reference),
     "rotary_embedding": (rotary_embedding, rotary_embedding_reference),

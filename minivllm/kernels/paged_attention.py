@@ -24,14 +24,11 @@ thing as the torch backend, in the plainest float32 PyTorch: gather, repeat head
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels._utils import aligned, next_power_of_2, pdl_enabled, pdl_launch_options
-from minivllm.kernels.rotary import norm_rotate_halves
 
 
 # -- references --------------------------------------------------------------------------------
@@ -117,18 +114,6 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, offs_n, limit, kv_head, cache_stride_kv
     k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
     v = tl.load(cache_ptr + cache_stride_kv + kv_offs, mask=kv_mask, other=0.0)
     return k, v
-
-
-@triton.jit
-def _rotated_rows(ptr, rows, row_mask, cos, sin, w1, w2, eps, NORM: tl.constexpr, HALF: tl.constexpr):
-    """Heads at ptr + rows (raw, from the qkv projection), normalized (NORM) and rotated, as
-    whole [len(rows), 2 * HALF] rows: the halves are rotated apart, then put side by side."""
-    offs_h = tl.arange(0, HALF)
-    x1 = tl.load(ptr + rows[:, None] + offs_h[None, :], mask=row_mask[:, None], other=0.0)
-    x2 = tl.load(ptr + rows[:, None] + HALF + offs_h[None, :], mask=row_mask[:, None], other=0.0)
-    out1, out2 = norm_rotate_halves(x1, x2, cos, sin, w1, w2, eps, NORM, HALF)
-    # join: [rows, HALF, 2]; the 2 before HALF, row-major: [out1 | out2] along each row.
-    return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (x1.shape[0], 2 * HALF))
 # --8<-- [end:decode-kv-tile]
 
 
@@ -140,12 +125,10 @@ def _decode_partial_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_out_ptr, mid_ml_ptr,
     scale, q_stride_seq, q_stride_head, cache_stride_kv, cache_stride_slot, bt_stride, num_splits, min_split, whole_len,
     out_ptr, out_stride_seq, out_stride_head, counters_ptr,
-    k_ptr, v_ptr, k_stride_seq, k_stride_head, v_stride_seq, v_stride_head,
-    positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROPE: tl.constexpr, NORM: tl.constexpr, EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL and not EARLY_LOADS:  # (to measure what the loads before the wait save)
         tl.extra.cuda.gdc_wait()
@@ -178,68 +161,34 @@ def _decode_partial_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     bt_row = block_tables_ptr + seq * bt_stride
-    # The query token is the context's last, `newest`: the kernels before this one write its
-    # K/V this very step (or, with ROPE, this kernel does). Everything older was written in
-    # earlier steps, so this split's first tile of it is loaded before the wait, while the
-    # previous kernel still runs; the newest token is put into its tile afterwards.
+    # The query token is the context's last, `newest`: the kernels just before this one write
+    # its K/V this very step. Every older token was written in an earlier step, so this split's
+    # first tile of them is loaded before the wait, while the previous kernel still runs; the
+    # newest token's K/V is loaded after the wait and put into its place in that tile.
     newest = seq_len - 1
     offs_n = start + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(cache_ptr, bt_row, offs_n, tl.minimum(end, newest), kv_head, cache_stride_kv,
                          cache_stride_slot, HEAD_DIM, BLOCK_SIZE, offs_d, d_mask)
-    if ROPE:  # what rotating this step's q and k needs, none of it written by this step
-        half = tl.arange(0, HEAD_DIM // 2)
-        pos = tl.load(positions_ptr + seq)
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + half)
-        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + half)
-        qw1, qw2, kw1, kw2 = cos, cos, cos, cos  # unused without NORM
-        if NORM:
-            qw1 = tl.load(q_weight_ptr + half)
-            qw2 = tl.load(q_weight_ptr + HEAD_DIM // 2 + half)
-            kw1 = tl.load(k_weight_ptr + half)
-            kw2 = tl.load(k_weight_ptr + HEAD_DIM // 2 + half)
-        slot = tl.load(slot_mapping_ptr + seq)
-    else:  # where the previous kernel writes the newest token
-        newest_block = tl.load(bt_row + newest // BLOCK_SIZE).to(tl.int64)
-        newest_offs = (newest_block * BLOCK_SIZE + newest % BLOCK_SIZE) * cache_stride_slot + kv_head * HEAD_DIM + offs_d
-    if USE_PDL and EARLY_LOADS:  # programmatic dependent launch: q (and the newest K/V) come from the previous kernels
+    newest_block = tl.load(bt_row + newest // BLOCK_SIZE).to(tl.int64)
+    newest_offs = (newest_block * BLOCK_SIZE + newest % BLOCK_SIZE) * cache_stride_slot + kv_head * HEAD_DIM + offs_d
+    if USE_PDL and EARLY_LOADS:  # programmatic dependent launch: q and the newest K/V come from the previous kernels
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-    if ROPE:  # q and the newest k raw from the qkv projection: normalize (NORM) and rotate them here
-        q = _rotated_rows(q_ptr + seq * q_stride_seq, heads * q_stride_head, g_mask, cos, sin, qw1, qw2, eps, NORM,
-                          HEAD_DIM // 2)
-        kv_row = tl.zeros([1], tl.int32) + kv_head  # one head: a tile of one row
-        k_new = tl.reshape(_rotated_rows(k_ptr + seq * k_stride_seq, kv_row * k_stride_head, kv_row >= 0, cos, sin,
-                                         kw1, kw2, eps, NORM, HEAD_DIM // 2), (HEAD_DIM,))
-        v_new = tl.load(v_ptr + seq * v_stride_seq + kv_head * v_stride_head + offs_d)
-        if (newest >= start) & (newest < end) & (slot >= 0):  # one split writes the cache; padding rows none
-            dst = cache_ptr + slot * cache_stride_slot + kv_head * HEAD_DIM + offs_d
-            tl.store(dst, k_new)
-            tl.store(dst + cache_stride_kv, v_new)
-    else:
-        q = tl.load(q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        k_new = tl.load(cache_ptr + newest_offs, mask=d_mask, other=0.0)
-        v_new = tl.load(cache_ptr + cache_stride_kv + newest_offs, mask=d_mask, other=0.0)
+    q = tl.load(q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if start < end:  # (a split past the end of its context, launched for a longer one, holds no token)
         is_newest = (offs_n == newest)[:, None]
-        k = tl.where(is_newest, k_new[None, :], k)
-        v = tl.where(is_newest, v_new[None, :], v)
+        k = tl.where(is_newest, tl.load(cache_ptr + newest_offs, mask=d_mask, other=0.0)[None, :], k)
+        v = tl.where(is_newest, tl.load(cache_ptr + cache_stride_kv + newest_offs, mask=d_mask, other=0.0)[None, :], v)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, offs_n < end, scale, DOT_PRECISION)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        # The cache's newest slot may not be written yet (with ROPE this program writes it):
-        # the newest token comes from registers, in every tile.
-        k, v = _load_kv_tile(cache_ptr, bt_row, offs_n, tl.minimum(end, newest), kv_head, cache_stride_kv,
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):  # the rest of the split, after the wait: all written
+        k, v = _load_kv_tile(cache_ptr, bt_row, n0 + tl.arange(0, BLOCK_N), end, kv_head, cache_stride_kv,
                              cache_stride_slot, HEAD_DIM, BLOCK_SIZE, offs_d, d_mask)
-        is_newest = (offs_n == newest)[:, None]
-        k = tl.where(is_newest, k_new[None, :], k)
-        v = tl.where(is_newest, v_new[None, :], v)
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, offs_n < end, scale, DOT_PRECISION)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, n0 + tl.arange(0, BLOCK_N) < end, scale, DOT_PRECISION)
 
     out_ptrs = out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + offs_d[None, :]
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -324,7 +273,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None, num_splits: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 4,
     out: torch.Tensor | None = None, heads_fastest: bool | None = None, merge_in_kernel: bool | None = None,
-    min_split_tiles: int | None = None, whole_context_tiles: int | None = None, rope: DecodeRope | None = None,
+    min_split_tiles: int | None = None, whole_context_tiles: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; written into `out`
     ([num_seqs, num_heads, head_dim], unit stride in the last dim) when given, else a new tensor.
@@ -336,8 +285,7 @@ def paged_decode_attention(
     `num_splits` is the launch's; each context's splits are its own length over num_splits,
     in whole tiles and at least `min_split_tiles` tiles (default DECODE_MIN_SPLIT_TILES), and
     a context of at most `whole_context_tiles` tiles (default DECODE_WHOLE_CONTEXT_TILES) is
-    not split at all. With `rope` (see paged_decode_attention_with_rope) query is raw, not
-    yet rotated, and the kernel rotates it, and this step's key, and writes the cache.
+    not split at all.
     """
     num_seqs, num_heads, head_dim = query.shape
     default_block_n, default_warps, default_stages = decode_config(head_dim)
@@ -370,27 +318,15 @@ def paged_decode_attention(
     counters = split_counters(query.device, num_seqs * num_kv_heads) if merge_in_kernel else seq_lens
     use_pdl = pdl_enabled(query.device)
     grid = (num_kv_heads, num_seqs, num_splits) if heads_fastest else (num_seqs, num_kv_heads, num_splits)
-    if rope is not None:
-        assert head_dim & (head_dim - 1) == 0, "rotating in the decode kernel needs a power-of-two head_dim"
-        assert kv_cache.is_contiguous() and rope.cos_sin_cache.is_contiguous()
-        key, value = rope.key, rope.value
-        assert key.stride(-1) == 1 and value.stride(-1) == 1 and rope.slot_mapping.shape[0] >= num_seqs
-        norm = rope.q_weight is not None
-        rope_args = (key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), rope.positions,
-                     rope.cos_sin_cache, rope.q_weight if norm else key, rope.k_weight if norm else key, rope.eps,
-                     rope.slot_mapping)
-    else:  # never read: any tensor stands in for the pointers
-        norm = False
-        rope_args = (query, query, 0, 0, 0, 0, seq_lens, query, query, query, 0.0, seq_lens)
     _decode_partial_kernel[grid](
         query, kv_cache, block_tables, seq_lens, mid_out, mid_ml,
         scale * LOG2_E, query.stride(0), query.stride(1), kv_cache.stride(0), num_kv_heads * head_dim,
         block_tables.stride(0), num_splits, min_split, whole_len, out, out.stride(0), out.stride(1), counters,
-        *rope_args, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
         ONE_SPLIT=one_split, HEADS_FASTEST=heads_fastest, MERGE_IN_KERNEL=merge_in_kernel,
-        BLOCK_S=merge_block_s(num_splits) if merge_in_kernel else 16, ROPE=rope is not None, NORM=norm,
-        EARLY_LOADS=DECODE_EARLY_LOADS, USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(use_pdl),
+        BLOCK_S=merge_block_s(num_splits) if merge_in_kernel else 16, EARLY_LOADS=DECODE_EARLY_LOADS, USE_PDL=use_pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(use_pdl),
     )
     if one_split or merge_in_kernel:
         return out
@@ -403,58 +339,9 @@ def paged_decode_attention(
 # --8<-- [end:decode-launcher]
 
 
-class DecodeRope(NamedTuple):
-    """This step's raw key and value, and what rotating q and k needs (see below)."""
-    key: torch.Tensor  # [num_seqs, num_kv_heads, head_dim], not yet rotated
-    value: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
-    positions: torch.Tensor  # [num_seqs]: the query token's position
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim] = [cos | sin], float32
-    slot_mapping: torch.Tensor  # [num_seqs]: the cache slot of this step's K/V (-1: padding, written nowhere)
-    q_weight: torch.Tensor | None  # Qwen3's per-head RMSNorm weights for q and k; None: no norm
-    k_weight: torch.Tensor | None
-    eps: float
-
-
-# --8<-- [start:decode-with-rope]
-def paged_decode_attention_with_rope(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-    eps: float = 0.0, **launch,
-) -> torch.Tensor:
-    """Decode attention that does the RoPE kernel's work too: one kernel instead of two.
-
-    query, key and value are this step's, straight from the qkv projection. Each program
-    normalizes (with the weights: Qwen3's per-head RMSNorm) and rotates its query heads and its
-    KV head's new key, the split holding the newest token writes that key and the value into
-    the cache at slot_mapping, and attention uses them from registers. Same bits as the RoPE
-    kernel followed by paged_decode_attention (both round through `norm_rotate_halves`).
-    """
-    rope = DecodeRope(key, value, positions, cos_sin_cache, slot_mapping, q_weight, k_weight, eps)
-    return paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, rope=rope, **launch)
-# --8<-- [end:decode-with-rope]
-
-
-def paged_decode_attention_with_rope_reference(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-) -> torch.Tensor:
-    """The two steps it fuses, in the plain references: RoPE (and norm) with the cache write, then attention."""
-    from minivllm.kernels.rotary import qk_norm_rotary_embedding_reference, rotary_embedding_reference
-
-    if q_weight is not None:
-        query, _ = qk_norm_rotary_embedding_reference(positions, query, key, cos_sin_cache, q_weight, k_weight, eps,
-                                                      value, kv_cache, slot_mapping)
-    else:
-        query, _ = rotary_embedding_reference(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
-    return paged_decode_attention_reference(query, kv_cache, block_tables, seq_lens, scale)
-
-
 DECODE_HEADS_FASTEST = False
-# Under PDL, load each split's first tile of older tokens (and, with ROPE, the cos/sin and norm
-# weights) before waiting for the previous kernel; False waits first (chapter 06 measures both).
+# Under PDL, load each split's first tile of older tokens before waiting for the previous
+# kernel; False waits first (`late-loads` in scripts/gpu/engine_variants.py; chapter 06).
 DECODE_EARLY_LOADS = True
 DECODE_MERGE_IN_KERNEL = True
 # How a context is split (chapter 06, "How the decode kernel splits a context";

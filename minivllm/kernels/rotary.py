@@ -57,30 +57,6 @@ def qk_norm_rotary_embedding_reference(
     return rotary_embedding_reference(positions, q_normed, k_normed, cos_sin_cache, value, kv_cache, slot_mapping)
 
 
-# --8<-- [start:norm-rotate-halves]
-@triton.jit
-def norm_rotate_halves(x1, x2, cos, sin, w1, w2, eps, NORM: tl.constexpr, HALF: tl.constexpr):
-    """RoPE (after Qwen3's per-head RMSNorm, with NORM) of rows split into their two halves.
-
-    x1, x2 [rows, HALF]: channels 0..HALF-1 and HALF..2*HALF-1 of each head; cos, sin [HALF];
-    w1, w2 [HALF]: the halves of the norm's weight. Returns the rotated halves in x1's dtype.
-    The normalized head is rounded to that dtype first, as the unfused norm would store it.
-    Both the RoPE kernel and the decode kernel that rotates its own q and k (paged_attention)
-    call this, so they compute the same bits.
-    """
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    if NORM:  # RMSNorm of each head (row) over its 2 * HALF channels
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        x1 = (x1 * rstd[:, None] * w1.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        x2 = (x2 * rstd[:, None] * w2.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
-    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
-    return out1, out2
-# --8<-- [end:norm-rotate-halves]
-
-
 @triton.jit
 def _rotate_heads(ptr, stride_tok, stride_head, token, num_heads, cos, sin, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, weight_ptr, eps, NORM: tl.constexpr,
@@ -91,13 +67,16 @@ def _rotate_heads(ptr, stride_tok, stride_head, token, num_heads, cos, sin, HALF
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
     base = ptr + token * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    w1, w2 = x1, x1  # unused without NORM
-    if NORM:
-        w1 = tl.load(weight_ptr + offs_d, mask=offs_d < HALF, other=0.0)
-        w2 = tl.load(weight_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0)
-    out1, out2 = norm_rotate_halves(x1, x2, cos, sin, w1, w2, eps, NORM, HALF)
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # RMSNorm of each head (row) over its 2 * HALF channels, rounded as the unfused norm's output is
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        x1 = (x1 * rstd[:, None] * w1[None, :]).to(ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd[:, None] * w2[None, :]).to(ptr.dtype.element_ty).to(tl.float32)
+    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty)
     tl.store(base, out1, mask=mask)
     tl.store(base + HALF, out2, mask=mask)
     if WRITE_CACHE:

@@ -53,10 +53,6 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.attn.decode_rotates(q):  # a decode-only step on CUDA: one kernel rotates, writes the cache, attends
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-            return self.o_proj(self.attn.decode_with_rope(q, k, v, positions, self.rotary_emb.cos_sin_cache, *norms))
         # On CUDA the RoPE kernel can also write this step's K/V into the cache (one kernel less).
         cache = self.attn.fused_kv_write(q)
         kv_write = (v.view(-1, self.num_kv_heads, self.head_dim), *cache) if cache is not None else None

@@ -12,8 +12,7 @@ second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
-tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `unfused-rope`
-(decode-only steps keep the RoPE kernel before attention), `late-loads` (the decode kernel
+tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
 loads nothing before its PDL wait), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
@@ -80,10 +79,6 @@ def apply(part: str) -> None:
         import minivllm.kernels.paged_attention as paged
 
         paged.DECODE_WHOLE_CONTEXT_TILES = int(part.removeprefix("whole-context="))
-    elif part == "unfused-rope":  # RoPE in its own kernel before decode attention, as in mixed steps
-        from minivllm.models.layers.attention import Attention
-
-        Attention.decode_rotates = lambda self, q: False
     elif part == "late-loads":  # the decode kernel waits for the previous kernel before any load
         import minivllm.kernels.paged_attention as paged
 

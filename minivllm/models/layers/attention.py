@@ -80,29 +80,6 @@ class Attention(nn.Module):
         return self.kv_cache, context.attn_metadata.slot_mapping
     # --8<-- [end:fused-kv-write]
 
-    # --8<-- [start:decode-rotates]
-    def decode_rotates(self, q: torch.Tensor) -> bool:
-        """Whether this step's decode kernel does RoPE's work too (rotating q and k, writing the
-        cache): where the RoPE kernel would write the cache (`fused_kv_write`), in a step of
-        decodes only, for a power-of-two head size."""
-        if self.fused_kv_write(q) is None or self.head_dim & (self.head_dim - 1):
-            return False
-        meta = get_forward_context().attn_metadata
-        return meta.num_decodes == meta.num_actual_tokens == q.shape[0]
-
-    def decode_with_rope(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """Attention of a decode-only step from the raw q, k, v (see `decode_rotates`): the
-        kernel normalizes (Qwen3's q_norm, k_norm) and rotates them, and writes k, v into the cache."""
-        num_tokens = q.shape[0]
-        meta = get_forward_context().attn_metadata
-        norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
-        out = self.impl.decode_with_rope(q, k, v, self.kv_cache, meta, self.scale, positions, cos_sin_cache, *norm)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
-    # --8<-- [end:decode-rotates]
-
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V into this layer's cache at `slot_mapping` (-1: skip)."""
         self.impl.write_kv(k, v, self.kv_cache, slot_mapping)
