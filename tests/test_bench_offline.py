@@ -46,3 +46,15 @@ def test_bench_latency_reports_one_point_per_batch_size(tiny_shape, tmp_path):
     # The decode step is a difference of two timings, so only the prefill's sign is certain.
     assert all(p["prefill_ms"] > 0 and isinstance(p["decode_step_ms"], float) for p in result["points"])
     assert json.loads(out.read_text())["points"] == result["points"]
+
+
+def test_decode_step_is_the_median_of_each_pairs_difference():
+    # The second pair ran while everything was slow (both of its runs 20 ms longer): it
+    # moves neither the median step nor, differenced within its pair, its own step.
+    pairs = [(0.005, 0.069), (0.025, 0.089), (0.005, 0.0714)]
+    got = latency.decode_step_from_pairs(pairs, output_len=64)
+    assert got["decode_step_ms"] == pytest.approx(1.0)
+    assert got["decode_step_range_ms"] == pytest.approx([1.0, 1.0375])
+    assert got["prefill_ms"] == pytest.approx(5.0)
+    with pytest.raises(ValueError):
+        latency.decode_step_from_pairs([], output_len=64)

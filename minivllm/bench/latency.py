@@ -3,7 +3,11 @@
 For each batch size B, B random prompts of `--input-len` tokens are generated twice: once for
 one token (the prefill step), once for 1 + `--output-len` tokens. The difference over
 `--output-len` is one decode step of the whole engine — scheduling, input preparation, the
-forward pass (a CUDA graph replay unless `--enforce-eager`), sampling. Median of `--num-iters`.
+forward pass (a CUDA graph replay unless `--enforce-eager`), sampling. The two runs alternate,
+and each pair gives one difference: a GPU whose clocks are still rising, or a slow moment of
+the host, then lands in both runs of a pair instead of in all the prefills only (which once
+made a step look shorter than its own replay). Median of `--num-iters` pairs, with the
+pairs' range beside it.
 
 With CUDA graphs, the replay alone is also timed (CUDA events): the GPU's share of the step.
 
@@ -76,10 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
     for batch_size in batch_sizes:
         prompts = [[rng.randrange(config.model_config.vocab_size) for _ in range(args.input_len)] for _ in range(batch_size)]
         timed_generate(prompts, 1 + args.output_len)  # warm-up
-        prefill = statistics.median(timed_generate(prompts, 1) for _ in range(args.num_iters))
-        full = statistics.median(timed_generate(prompts, 1 + args.output_len) for _ in range(args.num_iters))
-        points.append({"batch_size": batch_size, "decode_step_ms": (full - prefill) / args.output_len * 1e3,
-                       "prefill_ms": prefill * 1e3})
+        pairs = [(timed_generate(prompts, 1), timed_generate(prompts, 1 + args.output_len))
+                 for _ in range(args.num_iters)]
+        points.append({"batch_size": batch_size, **decode_step_from_pairs(pairs, args.output_len)})
 
     graphs = getattr(llm.llm_engine.engine_core.executor, "worker", None)
     graphs = graphs.model_runner.cuda_graphs if graphs is not None else None
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
             if size is not None:
                 point["graph_replay_ms"] = triton.testing.do_bench(lambda: graphs.replay(size), warmup=20, rep=200,
                                                                    return_mode="median")
+                if point["decode_step_ms"] < point["graph_replay_ms"]:
+                    # A step contains its replay, so one shorter than it is a timing error.
+                    point["warning"] = "decode step below its own replay: rerun with more --num-iters"
+                    print(f"warning: batch {point['batch_size']}: {point['warning']}")
 
     result = {"model": args.model or args.shape, "mode": _mode(args), "input_len": args.input_len,
               "output_len": args.output_len, "points": points}
@@ -115,6 +122,19 @@ def main(argv: list[str] | None = None) -> dict:
     result["command"] = "minivllm bench latency " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     report(result, args.json)
     return result
+
+
+def decode_step_from_pairs(pairs: list[tuple[float, float]], output_len: int) -> dict:
+    """Decode step (ms) from (prefill-only, prefill + output_len decodes) timings in seconds.
+
+    Each pair gives its own difference; the median of those, not the difference of the two
+    medians, so that a pair run while the machine was slow shifts both of its timings.
+    """
+    if not pairs or output_len < 1:
+        raise ValueError("need at least one timing pair and output_len >= 1")
+    steps = [(full - prefill) / output_len * 1e3 for prefill, full in pairs]
+    return {"decode_step_ms": statistics.median(steps), "decode_step_range_ms": [min(steps), max(steps)],
+            "prefill_ms": statistics.median(prefill for prefill, _ in pairs) * 1e3}
 
 
 def _mode(args: argparse.Namespace) -> str:
