@@ -5,6 +5,7 @@
 VARIANT is `default` (the code as it is), `cublas` (the skinny GEMM never picked: every
 linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage collector),
 `decode=BLOCK_N,WARPS,STAGES` (that decode-kernel configuration for head_dim 64), or
+`decode-all=BLOCK_N,WARPS,STAGES` (that configuration for every head size), or
 `heads-fastest=0|1` (the decode kernel's launch order: sequences or KV heads fastest), or
 `torch-sampler` (every batch sampled by the PyTorch path, never the one-pass kernel),
 `nopdl` (no programmatic dependent launch), `merge-kernel` (the decode splits merged by a
@@ -43,6 +44,12 @@ def apply(part: str) -> None:
         default_config = paged.decode_config
         paged.decode_config = kernels.decode_config = (
             lambda head_dim: (block_n, warps, stages) if head_dim <= 64 else default_config(head_dim))
+    elif part.startswith("decode-all="):  # that decode-kernel configuration for every head size
+        import minivllm.kernels as kernels
+        import minivllm.kernels.paged_attention as paged
+
+        config = tuple(int(v) for v in part.removeprefix("decode-all=").split(","))
+        paged.decode_config = kernels.decode_config = lambda head_dim: config
     elif part.startswith("heads-fastest="):
         import minivllm.kernels.paged_attention as paged
 
