@@ -1,0 +1,277 @@
+"""Would a persistent kernel make batch-1 decode faster? The products of a step, measured (chapter 06).
+
+    python scripts/gpu/persistent_chain.py --json persistent.json      (on the GPU machine)
+    TRITON_INTERPRET=1 python scripts/gpu/persistent_chain.py --check   (the arithmetic, on a CPU)
+
+At batch 1 a Qwen3-0.6B decode step spends most of its time in a chain of matrix-vector
+products: per layer qkv (4096 x 1024), o (1024 x 2048), gate_up (6144 x 1024) and down
+(1024 x 3072, SiLU-and-mul of its input done inside), 28 layers, 881 MB of weights. Each
+product is a kernel; each kernel waits for the one before. This measures that chain of 112
+products, each in a CUDA graph replayed many times, four ways:
+
+1. **separate kernels**, as the engine runs them: the skinny GEMM for qkv, o and down, and
+   either cuBLAS or the skinny GEMM for gate_up, with programmatic dependent launch (PDL);
+2. **one persistent kernel**: one program per SM, looping over the 28 layers; each product
+   is a phase in which every program computes some rows, and the phases are separated by a
+   grid-wide barrier (a counter in global memory that each program increments, then waits on
+   until every program has arrived);
+3. the same, with **the next phase's first weight tile loaded before the barrier**: weights
+   never depend on the activations, so a program can have them on the way while it waits;
+4. **barriers alone**: the persistent kernel with no products, what 112 grid barriers cost.
+
+The floor is the weights' bytes over the copy bandwidth measured in the same run. The 112
+products are not a whole step (attention, norms, RoPE and the LM head are left out); the
+question is only what the chain of products costs as separate kernels and as one.
+
+A grid barrier needs every program resident at once: the grid is one program per SM, and a
+spin that never completes gives up after MAX_SPINS and counts itself in an error counter,
+which the run checks (as it checks every product against float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.getcwd())
+from minivllm.kernels import skinny_gemm  # noqa: E402
+
+MAX_SPINS = 1 << 20
+
+
+@triton.jit
+def _grid_arrive(counter_ptr):
+    tl.debug_barrier()  # every thread's stores of this phase are issued before the release
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_wait(counter_ptr, error_ptr, target, MAX_SPINS: tl.constexpr):
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_add(error_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _matvec_phase(w_ptr, x_ptr, out_ptr, counter_ptr, error_ptr, target, pid, nprog,
+                  N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+                  GATED: tl.constexpr, PREFETCH: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """out[rows] = W[rows] @ x for this program's blocks of BN rows, after the barrier."""
+    cols = tl.arange(0, KP)
+    kmask = cols < K
+    rows = pid * BN + tl.arange(0, BN)
+    wmask = kmask[None, :] & (rows < N)[:, None]
+    if PREFETCH:  # the first block's weights are requested before waiting for the activations
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+    _grid_wait(counter_ptr, error_ptr, target, MAX_SPINS)
+    # Activations were written by other programs: read them from L2 (.cg), not this SM's L1.
+    if GATED:
+        gate = tl.load(x_ptr + cols, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32) * up
+    else:
+        x = tl.load(x_ptr + cols, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if not PREFETCH:
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+    for block in range(pid + nprog, N // BN, nprog):
+        rows = block * BN + tl.arange(0, BN)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=kmask[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty))
+    _grid_arrive(counter_ptr)
+
+
+@triton.jit
+def _persistent_chain_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_down, counter_ptr, error_ptr,
+                             LAYERS: tl.constexpr, HIDDEN: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr,
+                             INTER: tl.constexpr, INTER_P: tl.constexpr, BN: tl.constexpr, PREFETCH: tl.constexpr,
+                             MAX_SPINS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for layer in range(LAYERS):
+        phase = layer * 4  # phase p waits until all programs have finished phases 0..p-1
+        _matvec_phase(w_qkv + layer * QKV * HIDDEN, x_ptr, qkv_ptr, counter_ptr, error_ptr, phase * nprog,
+                      pid, nprog, QKV, HIDDEN, HIDDEN, BN, False, PREFETCH, MAX_SPINS)
+        _matvec_phase(w_o + layer * HIDDEN * Q, qkv_ptr, h_ptr, counter_ptr, error_ptr, (phase + 1) * nprog,
+                      pid, nprog, HIDDEN, Q, Q, BN, False, PREFETCH, MAX_SPINS)
+        _matvec_phase(w_gu + layer * 2 * INTER * HIDDEN, h_ptr, gu_ptr, counter_ptr, error_ptr,
+                      (phase + 2) * nprog, pid, nprog, 2 * INTER, HIDDEN, HIDDEN, BN, False, PREFETCH, MAX_SPINS)
+        _matvec_phase(w_down + layer * HIDDEN * INTER, gu_ptr, x_ptr, counter_ptr, error_ptr,
+                      (phase + 3) * nprog, pid, nprog, HIDDEN, INTER, INTER_P, BN, True,
+                      PREFETCH, MAX_SPINS)
+
+
+@triton.jit
+def _barriers_kernel(counter_ptr, error_ptr, PHASES: tl.constexpr, MAX_SPINS: tl.constexpr):
+    nprog = tl.num_programs(0)
+    for phase in range(PHASES):
+        _grid_wait(counter_ptr, error_ptr, phase * nprog, MAX_SPINS)
+        _grid_arrive(counter_ptr)
+
+
+class Chain:
+    """Qwen3-0.6B's four batch-1 products per layer, random weights scaled to keep the vector's size."""
+
+    HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
+
+    def __init__(self, layers: int, device: torch.device):
+        def weight(n, k):
+            return (torch.randn(layers, n, k, device=device) * k**-0.5).to(torch.bfloat16)
+        h, i = self.HIDDEN, self.INTER
+        self.layers = layers
+        self.w_qkv, self.w_o = weight(self.QKV, h), weight(h, self.Q)
+        self.w_gu, self.w_down = weight(2 * i, h), weight(h, i)
+        # Scale up: the product of a unit vector by K**-0.5-scaled weights keeps its size,
+        # SiLU-and-mul shrinks it; without this the vector vanishes in 28 layers.
+        self.w_down *= 4
+        self.x = torch.randn(h, device=device, dtype=torch.bfloat16)
+        self.qkv = torch.empty(self.QKV, device=device, dtype=torch.bfloat16)
+        self.h = torch.empty(h, device=device, dtype=torch.bfloat16)
+        self.gu = torch.empty(2 * i, device=device, dtype=torch.bfloat16)
+        self.counter = torch.zeros(1, device=device, dtype=torch.int32)
+        self.errors = torch.zeros(1, device=device, dtype=torch.int32)
+        self.nbytes = sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
+
+    def reference(self, x0: torch.Tensor) -> torch.Tensor:
+        """float32 products, rounded to bf16 between them as the kernels store them."""
+        x = x0
+        for layer in range(self.layers):
+            qkv = (self.w_qkv[layer].float() @ x.float()).bfloat16()
+            h = (self.w_o[layer].float() @ qkv[: self.Q].float()).bfloat16()
+            gu = (self.w_gu[layer].float() @ h.float()).bfloat16()
+            act = F.silu(gu[: self.INTER].float()).bfloat16().float() * gu[self.INTER:].float()
+            x = (self.w_down[layer].float() @ act).bfloat16()
+        return x
+
+    def separate(self, x0: torch.Tensor, gate_up: str) -> torch.Tensor:
+        x = x0.view(1, -1)
+        for layer in range(self.layers):
+            qkv = skinny_gemm(x, self.w_qkv[layer])
+            h = skinny_gemm(qkv[:, : self.Q], self.w_o[layer])
+            gu = F.linear(h, self.w_gu[layer]) if gate_up == "cublas" else skinny_gemm(h, self.w_gu[layer])
+            x = skinny_gemm(gu, self.w_down[layer], gated_input=True)
+        return x.view(-1)
+
+    def persistent(self, x0: torch.Tensor, programs: int, block_n: int, prefetch: bool, num_warps: int) -> torch.Tensor:
+        self.x.copy_(x0)
+        self.counter.zero_()
+        _persistent_chain_kernel[(programs,)](
+            self.x, self.qkv, self.h, self.gu, self.w_qkv, self.w_o, self.w_gu, self.w_down, self.counter, self.errors,
+            LAYERS=self.layers, HIDDEN=self.HIDDEN, QKV=self.QKV, Q=self.Q, INTER=self.INTER,
+            INTER_P=triton.next_power_of_2(self.INTER), BN=block_n,
+            PREFETCH=prefetch, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+        return self.x
+
+    def barriers(self, programs: int) -> None:
+        self.counter.zero_()
+        _barriers_kernel[(programs,)](self.counter, self.errors, PHASES=4 * self.layers, MAX_SPINS=MAX_SPINS,
+                                      num_warps=4)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+# bf16 outputs are rounded after each of the 112 products and an early rounding difference
+# propagates through the later ones; one product's rounding is ~4e-3 relative, and in the
+# check below the kernels and the reference differ only in float32 summation order.
+TOLERANCE = 2e-2
+
+
+def check(device: torch.device) -> None:
+    """Interpreter-sized check: one layer, one program (a barrier with one program passes at
+    once), each product against float32 of the inputs the kernel read. Per product, not the
+    whole chain: the interpreter truncates float32 to bf16 instead of rounding to nearest,
+    which biases the chain; one truncation is at most one bf16 ulp (2**-7 relative), so 1e-2."""
+    chain = Chain(1, device)
+    x0 = chain.x.clone()
+    for prefetch in (False, True):
+        chain.persistent(x0, programs=1, block_n=8, prefetch=prefetch, num_warps=4)
+        assert chain.errors.item() == 0
+        gate, up = chain.gu[: chain.INTER].float(), chain.gu[chain.INTER:].float()
+        products = {
+            "qkv": (chain.qkv, chain.w_qkv[0].float() @ x0.float()),
+            "o": (chain.h, chain.w_o[0].float() @ chain.qkv[: chain.Q].float()),
+            "gate_up": (chain.gu, chain.w_gu[0].float() @ chain.h.float()),
+            "down": (chain.x, chain.w_down[0].float() @ (F.silu(gate) * up)),
+        }
+        for name, (got, want) in products.items():
+            err = rel_err(got, want)
+            assert err < 1e-2, (prefetch, name, err)
+            print(f"persistent prefetch={prefetch} {name}: rel err {err:.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--check", action="store_true", help="the arithmetic only, one program (interpreter)")
+    parser.add_argument("--replays", type=int, default=50)
+    args = parser.parse_args()
+    if args.check:
+        check(torch.device("cpu"))
+        return
+
+    from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call
+
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    chain = Chain(28, device)
+    x0 = chain.x.clone()
+    want = chain.reference(x0)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "sms": sms, "copy_GBps": copy_bandwidth_gbps(), "weights_MB": chain.nbytes / 1e6, "rows": []}
+    results["floor_us"] = chain.nbytes / results["copy_GBps"] / 1e3
+
+    variants = [("separate, cuBLAS gate_up", lambda: chain.separate(x0, "cublas")),
+                ("separate, skinny gate_up", lambda: chain.separate(x0, "skinny"))]
+    for block_n in (8, 16):
+        for num_warps in (4, 8, 16):
+            for prefetch in (False, True):
+                variants.append((f"persistent BN={block_n} warps={num_warps} prefetch={int(prefetch)}",
+                                 lambda b=block_n, w=num_warps, p=prefetch: chain.persistent(x0, sms, b, p, w)))
+    for name, fn in variants:
+        row = {"name": name}
+        try:
+            chain.errors.zero_()
+            row["rel_err"] = rel_err(fn(), want)
+            row["us"] = graph_us_per_call(fn, 1, args.replays)
+            row["spin_timeouts"] = chain.errors.item()
+            row["ok"] = row["rel_err"] < TOLERANCE and row["spin_timeouts"] == 0
+        except Exception as exc:  # a configuration that does not compile or fit is recorded, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        results["rows"].append(row)
+        print(row, flush=True)
+    chain.errors.zero_()
+    results["barriers_only_us"] = graph_us_per_call(lambda: chain.barriers(sms), 1, args.replays)
+    results["barriers_spin_timeouts"] = chain.errors.item()
+
+    if args.json:
+        json.dump(results, open(args.json, "w"), indent=1)
+    print(f"\n{results['device']}, {sms} SMs, copy {results['copy_GBps']:.0f} GB/s; "
+          f"{results['weights_MB']:.0f} MB of weights, floor {results['floor_us']:.0f} µs")
+    print(f"112 grid barriers alone: {results['barriers_only_us']:.1f} µs "
+          f"({results['barriers_only_us'] / 112:.2f} µs each; spin timeouts {results['barriers_spin_timeouts']})")
+    print(f"{'chain of 112 products':44} {'µs':>7} {'x floor':>7} {'rel err':>8} ok")
+    for r in results["rows"]:
+        if "us" in r:
+            print(f"{r['name']:44} {r['us']:7.1f} {r['us'] / results['floor_us']:7.2f} {r['rel_err']:8.1e} {r['ok']}")
+        else:
+            print(f"{r['name']:44} {r.get('error')}")
+
+
+if __name__ == "__main__":
+    main()
