@@ -42,7 +42,7 @@ def test_persistent_decode_layers_match_float32():
     _load("persistent_decode").check(torch.device("cpu"))  # asserts within 1e-3 of the truncating reference
 
 
-@pytest.mark.parametrize("attention", [1, 2])
+@pytest.mark.parametrize("attention", [1, 2, 3])
 def test_persistent_decode_detects_a_wrong_input(attention):
     """The comparison can fail: a q-norm weight and an older token's key, changed after the
     reference was taken, each move the result well past the check's bound."""
