@@ -164,6 +164,27 @@ def _read_gated(gu_ptr, INTER: tl.constexpr, COL0: tl.constexpr, COLS: tl.conste
 
 
 @triton.jit
+def _gate_up_tiles(gu_base, r_gu, HIDDEN: tl.constexpr, R_GU1: tl.constexpr, R_GU2: tl.constexpr):
+    """A program's rows of gate_up, as two power-of-two tiles."""
+    return _rows(gu_base, r_gu, HIDDEN, R_GU1, 0, HIDDEN), _rows(gu_base, r_gu + R_GU1, HIDDEN, R_GU2, 0, HIDDEN)
+
+
+@triton.jit
+def _down_tiles(down_base, r_down, INTER: tl.constexpr, R_DOWN: tl.constexpr, K_DOWN1: tl.constexpr,
+                K_DOWN2: tl.constexpr):
+    """A program's rows of down, its columns as two power-of-two tiles."""
+    return (_rows(down_base, r_down, INTER, R_DOWN, 0, K_DOWN1),
+            _rows(down_base, r_down, INTER, R_DOWN, K_DOWN1, K_DOWN2))
+
+
+@triton.jit
+def _gated_down(wd1, wd2, gu_ptr, INTER: tl.constexpr, K_DOWN1: tl.constexpr, K_DOWN2: tl.constexpr):
+    """down @ (SiLU(gate) * up) for a program's rows, in float32."""
+    acc = tl.sum(wd1.to(tl.float32) * _read_gated(gu_ptr, INTER, 0, K_DOWN1)[None, :], axis=1)
+    return acc + tl.sum(wd2.to(tl.float32) * _read_gated(gu_ptr, INTER, K_DOWN1, K_DOWN2)[None, :], axis=1)
+
+
+@triton.jit
 def _persistent_slice_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_down, counter_ptr, error_ptr,
                              LAYERS: tl.constexpr, HIDDEN: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr,
                              INTER: tl.constexpr, R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU1: tl.constexpr,
@@ -191,23 +212,18 @@ def _persistent_slice_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_
         _grid_wait(counter_ptr, error_ptr, (phase + 1) * nprog, MAX_SPINS, False)
         _dot_store(wo, _read_act(qkv_ptr, 0, Q), h_ptr, r_o, R_O)
         _grid_arrive(counter_ptr)
-        gu_base = w_gu + layer * 2 * INTER * HIDDEN
-        wg1 = _rows(gu_base, r_gu, HIDDEN, R_GU1, 0, HIDDEN)
-        wg2 = _rows(gu_base, r_gu + R_GU1, HIDDEN, R_GU2, 0, HIDDEN)
+        wg1, wg2 = _gate_up_tiles(w_gu + layer * 2 * INTER * HIDDEN, r_gu, HIDDEN, R_GU1, R_GU2)
 
         _grid_wait(counter_ptr, error_ptr, (phase + 2) * nprog, MAX_SPINS, False)
         h = _read_act(h_ptr, 0, HIDDEN)
         _dot_store(wg1, h, gu_ptr, r_gu, R_GU1)
         _dot_store(wg2, h, gu_ptr, r_gu + R_GU1, R_GU2)
         _grid_arrive(counter_ptr)
-        down_base = w_down + layer * HIDDEN * INTER
-        wd1 = _rows(down_base, r_down, INTER, R_DOWN, 0, K_DOWN1)
-        wd2 = _rows(down_base, r_down, INTER, R_DOWN, K_DOWN1, K_DOWN2)
+        wd1, wd2 = _down_tiles(w_down + layer * HIDDEN * INTER, r_down, INTER, R_DOWN, K_DOWN1, K_DOWN2)
 
         # down, SiLU-and-mul of its input inside
         _grid_wait(counter_ptr, error_ptr, (phase + 3) * nprog, MAX_SPINS, False)
-        acc = tl.sum(wd1.to(tl.float32) * _read_gated(gu_ptr, INTER, 0, K_DOWN1)[None, :], axis=1)
-        acc += tl.sum(wd2.to(tl.float32) * _read_gated(gu_ptr, INTER, K_DOWN1, K_DOWN2)[None, :], axis=1)
+        acc = _gated_down(wd1, wd2, gu_ptr, INTER, K_DOWN1, K_DOWN2)
         tl.store(x_ptr + r_down + tl.arange(0, R_DOWN), acc.to(x_ptr.dtype.element_ty))
         _grid_arrive(counter_ptr)
         # The next layer's qkv slice (the last layer reads its own again rather than past the end).

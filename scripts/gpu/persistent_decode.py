@@ -43,8 +43,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from persistent_chain import (MAX_SPINS, _dot_store, _grid_arrive, _grid_wait, _read_act, _read_gated,  # noqa: E402
-                              _rows, _split_pow2, rel_err)
+from persistent_chain import (MAX_SPINS, _dot_store, _down_tiles, _gate_up_tiles, _gated_down,  # noqa: E402
+                              _grid_arrive, _grid_wait, _read_act, _rows, _split_pow2, rel_err)
 
 BLOCK_SIZE = 16
 CHECK_LAYERS = 2
@@ -223,9 +223,7 @@ def _decode_layers_kernel(
         residual = tl.load(x_ptr + rows, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + rows, (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + residual).to(x_ptr.dtype.element_ty))
         _grid_arrive(counter_ptr)
-        gu_base = w_gu + layer * 2 * INTER * HIDDEN
-        wg1 = _rows(gu_base, r_gu, HIDDEN, R_GU1, 0, HIDDEN)
-        wg2 = _rows(gu_base, r_gu + R_GU1, HIDDEN, R_GU2, 0, HIDDEN)
+        wg1, wg2 = _gate_up_tiles(w_gu + layer * 2 * INTER * HIDDEN, r_gu, HIDDEN, R_GU1, R_GU2)
 
         # D: RMSNorm, gate_up
         _grid_wait(counter_ptr, error_ptr, (phase + 3) * nprog, MAX_SPINS, False)
@@ -233,14 +231,11 @@ def _decode_layers_kernel(
         _dot_store(wg1, h, gu_ptr, r_gu, R_GU1)
         _dot_store(wg2, h, gu_ptr, r_gu + R_GU1, R_GU2)
         _grid_arrive(counter_ptr)
-        down_base = w_down + layer * HIDDEN * INTER
-        wd1 = _rows(down_base, r_o, INTER, R_O, 0, K_DOWN1)
-        wd2 = _rows(down_base, r_o, INTER, R_O, K_DOWN1, K_DOWN2)
+        wd1, wd2 = _down_tiles(w_down + layer * HIDDEN * INTER, r_o, INTER, R_O, K_DOWN1, K_DOWN2)
 
         # E: SiLU-and-mul, down, plus the residual
         _grid_wait(counter_ptr, error_ptr, (phase + 4) * nprog, MAX_SPINS, False)
-        acc = tl.sum(wd1.to(tl.float32) * _read_gated(gu_ptr, INTER, 0, K_DOWN1)[None, :], axis=1)
-        acc += tl.sum(wd2.to(tl.float32) * _read_gated(gu_ptr, INTER, K_DOWN1, K_DOWN2)[None, :], axis=1)
+        acc = _gated_down(wd1, wd2, gu_ptr, INTER, K_DOWN1, K_DOWN2)
         residual = tl.load(x_ptr + rows, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + rows, (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + residual).to(x_ptr.dtype.element_ty))
         _grid_arrive(counter_ptr)
