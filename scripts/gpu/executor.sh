@@ -21,7 +21,8 @@
 # tile (batch 1-4 steps with the 1-2 token skinny tile and without) async-both
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes) split (the
-# decode kernel's shortest split: a graph of decode calls, and Qwen3-0.6B steps per setting).
+# decode kernel's shortest split: a graph of decode calls, and Qwen3-0.6B steps per setting)
+# persistent (chapter 06's persistent kernels, then batch 1/4 steps of both shapes, async).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -144,6 +145,14 @@ for part in $PARTS; do
         for shape in ${SPLIT_SHAPES:-qwen3-0.6b}; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,2,4 --output-len 64 --num-iters 3 --async-scheduling
         done
+      done ;;
+    persistent)  # chapter 06's persistent kernels: the chain of products, the whole layers; then batch 1/4 steps, both shapes
+      timeout 240 python3 scripts/gpu/persistent_chain.py --only "separate,atomic BN=8 warps=8 prefetch=1,slice" \
+        --json "$OUT/persistent-chain.json" 2>&1 | grep -v "^{'name'" | tail -12 | tee -a "$LOG"
+      timeout 240 python3 scripts/gpu/persistent_decode.py --json "$OUT/persistent-decode.json" 2>&1 \
+        | grep -v "^{'name'" | tail -8 | tee -a "$LOG"
+      for shape in qwen3-0.6b llama-3.2-1b; do
+        bench "latency-$shape-async" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
       done ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
