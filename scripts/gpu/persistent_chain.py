@@ -188,8 +188,8 @@ def _gated_down(wd1, wd2, gu_ptr, INTER: tl.constexpr, K_DOWN1: tl.constexpr, K_
 def _persistent_slice_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_down, counter_ptr, error_ptr,
                              LAYERS: tl.constexpr, HIDDEN: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr,
                              INTER: tl.constexpr, R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU1: tl.constexpr,
-                             R_GU2: tl.constexpr, R_DOWN: tl.constexpr, K_DOWN1: tl.constexpr,
-                             K_DOWN2: tl.constexpr, MAX_SPINS: tl.constexpr):
+                             R_GU2: tl.constexpr, K_DOWN1: tl.constexpr, K_DOWN2: tl.constexpr,
+                             MAX_SPINS: tl.constexpr):
     """The chain with every program's whole slice of the next product's weights in flight
     while it waits at the barrier: program p owns rows [p * R, (p + 1) * R) of each product.
     As soon as it has stored its rows and arrived, it requests all of its next slice (32-96
@@ -197,10 +197,10 @@ def _persistent_slice_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_
     barrier instead of one 8-16 row tile, which is what Little's law asks for: at ~25-32 GB/s
     per SM and 1-2 µs of latency under load, one SM needs tens of KB in flight to keep its
     share of the bandwidth busy. Only one product's tile is live at a time (the registers
-    hold at most gate_up's 96 KB a program)."""
+    hold at most gate_up's 96 KB a program). o and down both have HIDDEN rows: R_O of each."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    r_qkv, r_o, r_gu, r_down = pid * R_QKV, pid * R_O, pid * (R_GU1 + R_GU2), pid * R_DOWN
+    r_qkv, r_o, r_gu = pid * R_QKV, pid * R_O, pid * (R_GU1 + R_GU2)
     wq = _rows(w_qkv, r_qkv, HIDDEN, R_QKV, 0, HIDDEN)
     for layer in range(LAYERS):
         phase = layer * 4
@@ -219,12 +219,12 @@ def _persistent_slice_kernel(x_ptr, qkv_ptr, h_ptr, gu_ptr, w_qkv, w_o, w_gu, w_
         _dot_store(wg1, h, gu_ptr, r_gu, R_GU1)
         _dot_store(wg2, h, gu_ptr, r_gu + R_GU1, R_GU2)
         _grid_arrive(counter_ptr)
-        wd1, wd2 = _down_tiles(w_down + layer * HIDDEN * INTER, r_down, INTER, R_DOWN, K_DOWN1, K_DOWN2)
+        wd1, wd2 = _down_tiles(w_down + layer * HIDDEN * INTER, r_o, INTER, R_O, K_DOWN1, K_DOWN2)
 
         # down, SiLU-and-mul of its input inside
         _grid_wait(counter_ptr, error_ptr, (phase + 3) * nprog, MAX_SPINS, False)
         acc = _gated_down(wd1, wd2, gu_ptr, INTER, K_DOWN1, K_DOWN2)
-        tl.store(x_ptr + r_down + tl.arange(0, R_DOWN), acc.to(x_ptr.dtype.element_ty))
+        tl.store(x_ptr + r_o + tl.arange(0, R_O), acc.to(x_ptr.dtype.element_ty))
         _grid_arrive(counter_ptr)
         # The next layer's qkv slice (the last layer reads its own again rather than past the end).
         next_layer = tl.minimum(layer + 1, LAYERS - 1)
@@ -238,6 +238,24 @@ def _split_pow2(n: int) -> tuple[int, int]:
     if rest & (rest - 1):
         raise ValueError(f"{n} rows is not a sum of two powers of two")
     return first, rest
+
+
+def slice_tiles(programs: int, qkv_rows: int, hidden: int, inter: int) -> dict[str, int]:
+    """The slice kernels' tile shapes: each program's rows of qkv and of o and down (R_QKV,
+    R_O), of gate_up as two tiles (R_GU1 + R_GU2), and down's columns as two (K_DOWN1 + K_DOWN2).
+    Every product's rows must divide evenly among the programs, into power-of-two tiles."""
+    for n in (qkv_rows, hidden, 2 * inter):
+        if n % programs:
+            raise ValueError(f"{n} rows do not divide among {programs} programs")
+    for r in (qkv_rows // programs, hidden // programs):
+        if r & (r - 1):
+            raise ValueError(f"{r} rows a program is not a power of two")
+    r_gu1, r_gu2 = _split_pow2(2 * inter // programs)
+    k_down1, k_down2 = _split_pow2(inter)
+    if r_gu2 == 0 or k_down2 == 0:
+        raise ValueError("the kernels load gate_up and down as two tiles each")
+    return dict(R_QKV=qkv_rows // programs, R_O=hidden // programs, R_GU1=r_gu1, R_GU2=r_gu2,
+                K_DOWN1=k_down1, K_DOWN2=k_down2)
 
 
 @triton.jit
@@ -303,24 +321,13 @@ class Chain:
 
     def persistent_slice(self, x0: torch.Tensor, programs: int, num_warps: int) -> torch.Tensor:
         """The slice-in-flight kernel: needs every product's rows to divide among the programs."""
-        for n in (self.QKV, self.HIDDEN, 2 * self.INTER):
-            if n % programs:
-                raise ValueError(f"{n} rows do not divide among {programs} programs")
-        r_gu1, r_gu2 = _split_pow2(2 * self.INTER // programs)
-        k_down1, k_down2 = _split_pow2(self.INTER)
-        for r in (self.QKV // programs, self.HIDDEN // programs):
-            if r & (r - 1):
-                raise ValueError(f"{r} rows a program is not a power of two")
-        if r_gu2 == 0 or k_down2 == 0:
-            raise ValueError("the kernel loads gate_up and down as two tiles each")
+        tiles = slice_tiles(programs, self.QKV, self.HIDDEN, self.INTER)
         self.x.copy_(x0)
         self.counter.zero_()
         _persistent_slice_kernel[(programs,)](
             self.x, self.qkv, self.h, self.gu, self.w_qkv, self.w_o, self.w_gu, self.w_down, self.counter, self.errors,
-            LAYERS=self.layers, HIDDEN=self.HIDDEN, QKV=self.QKV, Q=self.Q, INTER=self.INTER,
-            R_QKV=self.QKV // programs, R_O=self.HIDDEN // programs, R_GU1=r_gu1, R_GU2=r_gu2,
-            R_DOWN=self.HIDDEN // programs, K_DOWN1=k_down1, K_DOWN2=k_down2, MAX_SPINS=MAX_SPINS,
-            num_warps=num_warps)
+            LAYERS=self.layers, HIDDEN=self.HIDDEN, QKV=self.QKV, Q=self.Q, INTER=self.INTER, **tiles,
+            MAX_SPINS=MAX_SPINS, num_warps=num_warps)
         return self.x
 
     def barriers(self, programs: int, poll_load: bool) -> None:

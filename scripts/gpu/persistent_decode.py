@@ -44,7 +44,7 @@ import triton.language as tl
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from persistent_chain import (MAX_SPINS, _dot_store, _down_tiles, _gate_up_tiles, _gated_down,  # noqa: E402
-                              _grid_arrive, _grid_wait, _read_act, _rows, _split_pow2, rel_err)
+                              _grid_arrive, _grid_wait, _read_act, _rows, rel_err, slice_tiles)
 
 BLOCK_SIZE = 16
 CHECK_LAYERS = 2
@@ -75,6 +75,27 @@ def _norm_rope(ptr, w_ptr, pos, theta, eps, HALF: tl.constexpr):
     angle = pos.to(tl.float32) * tl.exp2(-(d.to(tl.float32) * 2.0 / (2 * HALF)) * tl.log2(theta))
     cos, sin = tl.cos(angle), tl.sin(angle)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _scaled_query(ptr, w_ptr, pos, theta, eps, scale, HALF: tl.constexpr):
+    """A query head normalized, rotated and scaled by 1/sqrt(head_dim), rounded to bf16."""
+    q1, q2 = _norm_rope(ptr, w_ptr, pos, theta, eps, HALF)
+    return (q1 * scale).to(tl.bfloat16).to(tl.float32), (q2 * scale).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _store_halves(ptr, x1, x2, HALF: tl.constexpr):
+    d = tl.arange(0, HALF)
+    tl.store(ptr + d, x1.to(ptr.dtype.element_ty))
+    tl.store(ptr + HALF + d, x2.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _add_to_stream(acc, x_ptr, rows):
+    """x[rows] += acc, with acc rounded to bf16 first as a product's output is."""
+    residual = tl.load(x_ptr + rows, cache_modifier=".cg").to(tl.float32)
+    tl.store(x_ptr + rows, (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + residual).to(x_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -176,13 +197,9 @@ def _decode_layers_kernel(
                 v2 = tl.load(v_src + HALF + d, cache_modifier=".cg")
                 if h % GROUP == 0:  # one writer a KV head; no program reads this slot in this phase
                     row = (slot * KV_HEADS + kvh) * HEAD_DIM
-                    tl.store(kc + row + d, k1.to(kc.dtype.element_ty))
-                    tl.store(kc + row + HALF + d, k2.to(kc.dtype.element_ty))
-                    tl.store(vc + row + d, v1)
-                    tl.store(vc + row + HALF + d, v2)
-                q1, q2 = _norm_rope(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
-                q1 = (q1 * scale).to(tl.bfloat16).to(tl.float32)
-                q2 = (q2 * scale).to(tl.bfloat16).to(tl.float32)
+                    _store_halves(kc + row, k1, k2, HALF)
+                    _store_halves(vc + row, v1, v2, HALF)
+                q1, q2 = _scaled_query(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, scale, HALF)
                 m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)
                 denom = tl.full((), 1.0, tl.float32)
                 acc1, acc2 = v1.to(tl.float32), v2.to(tl.float32)
@@ -193,35 +210,28 @@ def _decode_layers_kernel(
                         first = TILE
                 o1, o2 = _attend_head(q1, q2, kc, vc, block_table, first, ctx_len - 1, kvh, m, denom, acc1, acc2,
                                       KV_HEADS, HALF, TILE, BLOCK)
-                tl.store(attn_ptr + h * HEAD_DIM + d, o1.to(attn_ptr.dtype.element_ty))
-                tl.store(attn_ptr + h * HEAD_DIM + HALF + d, o2.to(attn_ptr.dtype.element_ty))
+                _store_halves(attn_ptr + h * HEAD_DIM, o1, o2, HALF)
         for kvh in range(pid, KV_HEADS * (ATTENTION == 1), nprog):
             k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
             row = (slot * KV_HEADS + kvh) * HEAD_DIM
-            tl.store(kc + row + d, k1.to(kc.dtype.element_ty))
-            tl.store(kc + row + HALF + d, k2.to(kc.dtype.element_ty))
+            _store_halves(kc + row, k1, k2, HALF)
             v_src = qkv_ptr + Q + KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
-            tl.store(vc + row + d, tl.load(v_src + d, cache_modifier=".cg"))
-            tl.store(vc + row + HALF + d, tl.load(v_src + HALF + d, cache_modifier=".cg"))
+            _store_halves(vc + row, tl.load(v_src + d, cache_modifier=".cg"),
+                          tl.load(v_src + HALF + d, cache_modifier=".cg"), HALF)
             tl.debug_barrier()  # the block's threads see this token's K/V before reading the context
             for g in tl.static_range(GROUP):
                 h = kvh * GROUP + g
-                q1, q2 = _norm_rope(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
-                q1 = (q1 * scale).to(tl.bfloat16).to(tl.float32)
-                q2 = (q2 * scale).to(tl.bfloat16).to(tl.float32)
+                q1, q2 = _scaled_query(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, scale, HALF)
                 o1, o2 = _attend_head(q1, q2, kc, vc, block_table, 0, ctx_len, kvh, tl.full((), float("-inf"), tl.float32),
                                       tl.zeros((), tl.float32), tl.zeros((HALF,), tl.float32),
                                       tl.zeros((HALF,), tl.float32), KV_HEADS, HALF, TILE, BLOCK)
-                tl.store(attn_ptr + h * HEAD_DIM + d, o1.to(attn_ptr.dtype.element_ty))
-                tl.store(attn_ptr + h * HEAD_DIM + HALF + d, o2.to(attn_ptr.dtype.element_ty))
+                _store_halves(attn_ptr + h * HEAD_DIM, o1, o2, HALF)
         _grid_arrive(counter_ptr)
 
         # C: o, plus the residual (each program owns its rows of the stream)
         _grid_wait(counter_ptr, error_ptr, (phase + 2) * nprog, MAX_SPINS, False)
         rows = r_o + tl.arange(0, R_O)
-        acc = tl.sum(wo.to(tl.float32) * _read_act(attn_ptr, 0, Q)[None, :], axis=1)
-        residual = tl.load(x_ptr + rows, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + rows, (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + residual).to(x_ptr.dtype.element_ty))
+        _add_to_stream(tl.sum(wo.to(tl.float32) * _read_act(attn_ptr, 0, Q)[None, :], axis=1), x_ptr, rows)
         _grid_arrive(counter_ptr)
         wg1, wg2 = _gate_up_tiles(w_gu + layer * 2 * INTER * HIDDEN, r_gu, HIDDEN, R_GU1, R_GU2)
 
@@ -235,9 +245,7 @@ def _decode_layers_kernel(
 
         # E: SiLU-and-mul, down, plus the residual
         _grid_wait(counter_ptr, error_ptr, (phase + 4) * nprog, MAX_SPINS, False)
-        acc = _gated_down(wd1, wd2, gu_ptr, INTER, K_DOWN1, K_DOWN2)
-        residual = tl.load(x_ptr + rows, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + rows, (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + residual).to(x_ptr.dtype.element_ty))
+        _add_to_stream(_gated_down(wd1, wd2, gu_ptr, INTER, K_DOWN1, K_DOWN2), x_ptr, rows)
         _grid_arrive(counter_ptr)
         next_layer = tl.minimum(layer + 1, LAYERS - 1)  # the last layer re-reads its own, not past the end
         wq = _rows(w_qkv + next_layer * QKV * HIDDEN, r_qkv, HIDDEN, R_QKV, 0, HIDDEN)
@@ -334,14 +342,7 @@ class DecodeLayers:
         return x
 
     def run(self, programs: int, num_warps: int, tile: int = 64, attention: int = 2) -> torch.Tensor:
-        q_rows = (self.heads + 2 * self.kv_heads) * self.head_dim
-        for n in (q_rows, self.hidden, 2 * self.inter):
-            if n % programs:
-                raise ValueError(f"{n} rows do not divide among {programs} programs")
-        r_gu1, r_gu2 = _split_pow2(2 * self.inter // programs)
-        k_down1, k_down2 = _split_pow2(self.inter)
-        if r_gu2 == 0 or k_down2 == 0:
-            raise ValueError("the kernel loads gate_up and down as two tiles each")
+        tiles = slice_tiles(programs, (self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden, self.inter)
         self.x.copy_(self.x0)
         self.counter.zero_()
         _decode_layers_kernel[(programs,)](
@@ -350,10 +351,8 @@ class DecodeLayers:
             self.w_q_norm, self.w_k_norm, self.k_cache, self.v_cache, self.block_table, self.ctx_len,
             self.counter, self.errors, self.theta, self.eps, self.scale,
             LAYERS=self.layers, HIDDEN=self.hidden, HEADS=self.heads, KV_HEADS=self.kv_heads,
-            HEAD_DIM=self.head_dim, INTER=self.inter, CACHE_LAYER_STRIDE=self.k_cache[0].numel(),
-            R_QKV=q_rows // programs, R_O=self.hidden // programs, R_GU1=r_gu1, R_GU2=r_gu2,
-            K_DOWN1=k_down1, K_DOWN2=k_down2, TILE=tile, BLOCK=BLOCK_SIZE, ATTENTION=attention, MAX_SPINS=MAX_SPINS,
-            num_warps=num_warps)
+            HEAD_DIM=self.head_dim, INTER=self.inter, CACHE_LAYER_STRIDE=self.k_cache[0].numel(), **tiles,
+            TILE=tile, BLOCK=BLOCK_SIZE, ATTENTION=attention, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
         return self.x
 
 
