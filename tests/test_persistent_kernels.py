@@ -42,20 +42,32 @@ def test_persistent_decode_layers_match_float32():
     _load("persistent_decode").check(torch.device("cpu"))  # asserts within 1e-3 of the truncating reference
 
 
-@pytest.mark.parametrize("attention", [1, 2, 3])
+@pytest.mark.parametrize("attention", [1, 2, 3, 4])
 def test_persistent_decode_detects_a_wrong_input(attention):
     """The comparison can fail: a q-norm weight and an older token's key, changed after the
-    reference was taken, each move the result well past the check's bound."""
+    reference was taken, each move the result well past the check's bound. With attention 4
+    (4 splits of 13 older tokens) the key at position 5 is in split 0, the one that also holds
+    this token, and the key at position 30 in split 2: a merge that dropped a split would miss it."""
     pd = _load("persistent_decode")
     model = pd.DecodeLayers(2, torch.device("cpu"), context=50, hidden=256, heads=4, kv_heads=2, head_dim=64,
                             inter=768)
+    tile, splits = (16, 4) if attention == 4 else (32, 8)
+
+    def err() -> float:
+        return pd.rel_err(model.run(1, 4, tile, attention, splits), want)
+
     want = model.reference(truncate=True)
-    assert pd.rel_err(model.run(1, 4, 32, attention), want) < 1e-3
+    assert err() < 1e-3
     original = model.w_q_norm[1, 3].item()
     model.w_q_norm[1, 3] = 3.0
-    assert pd.rel_err(model.run(1, 4, 32, attention), want) > 1e-2
+    assert err() > 1e-2
     model.w_q_norm[1, 3] = original
-    assert pd.rel_err(model.run(1, 4, 32, attention), want) < 1e-3
-    model.k0[0, model._slots()[5]] += 1  # position 5's key in layer 0, read by attention from the paged cache
-    model.k_cache.copy_(model.k0)
-    assert pd.rel_err(model.run(1, 4, 32, attention), want) > 1e-3
+    assert err() < 1e-3
+    for position in (5, 30):  # an older token's key in layer 0, read by attention from the paged cache
+        model.k0.copy_(model.k_cache)  # (the run wrote this token's K/V; the reference starts from k0)
+        model.k_cache.copy_(model.k0)
+        want = model.reference(truncate=True)
+        assert err() < 1e-3
+        model.k0[0, model._slots()[position]] += 1
+        model.k_cache.copy_(model.k0)
+        assert err() > 1e-3, position

@@ -129,32 +129,73 @@ def _attend_tile(q1, q2, k1, k2, v1, v2, valid, m, denom, acc1, acc2):
 
 
 @triton.jit
+def _attend_range(q1, q2, k_cache, v_cache, block_table, first, end, kvh, m, denom, acc1, acc2,
+                  KV_HEADS: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The online-softmax state (m, denom, acc) of one (scaled) query head carried over
+    positions [first, end) of one KV head."""
+    for start in range(first, end, TILE):
+        k1, k2, v1, v2, valid = _load_kv_tile(k_cache, v_cache, block_table, start, end, kvh,
+                                              KV_HEADS, HALF, TILE, BLOCK)
+        m, denom, acc1, acc2 = _attend_tile(q1, q2, k1, k2, v1, v2, valid, m, denom, acc1, acc2)
+    return m, denom, acc1, acc2
+
+
+@triton.jit
 def _attend_head(q1, q2, k_cache, v_cache, block_table, first, ctx_len, kvh, m, denom, acc1, acc2,
                  KV_HEADS: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Attention of one (scaled) query head over positions [first, ctx_len) of one KV head,
     from the state (m, denom, acc) of the positions already seen; returns the output head."""
-    for start in range(first, ctx_len, TILE):
-        k1, k2, v1, v2, valid = _load_kv_tile(k_cache, v_cache, block_table, start, ctx_len, kvh,
-                                              KV_HEADS, HALF, TILE, BLOCK)
-        m, denom, acc1, acc2 = _attend_tile(q1, q2, k1, k2, v1, v2, valid, m, denom, acc1, acc2)
+    m, denom, acc1, acc2 = _attend_range(q1, q2, k_cache, v_cache, block_table, first, ctx_len, kvh, m, denom,
+                                         acc1, acc2, KV_HEADS, HALF, TILE, BLOCK)
     return acc1 / denom, acc2 / denom
+
+
+@triton.jit
+def _split_range(item, n_old, HEADS: tl.constexpr, SPLITS: tl.constexpr):
+    """Work item `item` of the split attention: query head, split, and its older positions [lo, hi)."""
+    chunk = (n_old + SPLITS - 1) // SPLITS
+    lo = (item // HEADS) * chunk
+    return item % HEADS, item // HEADS, lo, tl.minimum(lo + chunk, n_old)
+
+
+@triton.jit
+def _merged_heads(part_m, part_l, part_acc, Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """Every head's attention output from its SPLITS partial states, merged in float32 and
+    rounded to bf16 as a stored output is. Split 0 holds this token, so every head's running
+    maximum is finite from the first split on."""
+    cols = tl.arange(0, Q)
+    head = cols // HEAD_DIM
+    big_m = tl.load(part_m + head, cache_modifier=".cg")
+    num = tl.load(part_acc + cols, cache_modifier=".cg")
+    den = tl.load(part_l + head, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        m_s = tl.load(part_m + s * HEADS + head, cache_modifier=".cg")
+        new_m = tl.maximum(big_m, m_s)
+        keep, take = tl.exp(big_m - new_m), tl.exp(m_s - new_m)  # an empty split has m_s = -inf: take = 0
+        num = num * keep + tl.load(part_acc + s * Q + cols, cache_modifier=".cg") * take
+        den = den * keep + tl.load(part_l + s * HEADS + head, cache_modifier=".cg") * take
+        big_m = new_m
+    return (num / den).to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
 def _decode_layers_kernel(
     x_ptr, qkv_ptr, attn_ptr, gu_ptr,
     w_qkv, w_o, w_gu, w_down, w_in_norm, w_post_norm, w_q_norm, w_k_norm,
-    k_cache, v_cache, block_table, ctx_len_ptr, counter_ptr, error_ptr,
+    k_cache, v_cache, block_table, ctx_len_ptr, counter_ptr, error_ptr, part_m, part_l, part_acc,
     theta, eps, scale,
     LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, INTER: tl.constexpr, CACHE_LAYER_STRIDE: tl.constexpr,
     R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU1: tl.constexpr, R_GU2: tl.constexpr,
     K_DOWN1: tl.constexpr, K_DOWN2: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
-    ATTENTION: tl.constexpr, MAX_SPINS: tl.constexpr,
+    ATTENTION: tl.constexpr, SPLITS: tl.constexpr, MAX_SPINS: tl.constexpr,
 ):
     """ATTENTION: 1, a program per KV head (its query heads one after the other); 2, a
     program per query head; 3, the same with the first tile of older tokens loaded before the
-    barrier; 0, none (the phase's barrier only: what attention costs)."""
+    barrier; 4, every program a (query head, split of the older tokens) pair whose whole first
+    tile is loaded before the barrier, the SPLITS partial states merged by every program of
+    the o phase; 0, none (the phase's barrier only: what attention costs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     Q: tl.constexpr = HEADS * HEAD_DIM
@@ -181,12 +222,53 @@ def _decode_layers_kernel(
                 k_cache + layer * CACHE_LAYER_STRIDE, v_cache + layer * CACHE_LAYER_STRIDE, block_table, 0,
                 (ctx_len - 1) * (pid < HEADS), kv_pf, KV_HEADS, HALF, TILE, BLOCK)
 
-        # B: q/k norm, RoPE, cache write, attention; one KV head a program
+        if ATTENTION == 4:
+            # Older tokens' K/V do not depend on this step: each program requests the first tile
+            # of its own work item before it waits (past the last item, every load is masked off).
+            h_pf, s_pf, lo_pf, hi_pf = _split_range(pid, ctx_len - 1, HEADS, SPLITS)
+            pk1, pk2, pv1, pv2, pvalid = _load_kv_tile(
+                k_cache + layer * CACHE_LAYER_STRIDE, v_cache + layer * CACHE_LAYER_STRIDE, block_table, lo_pf,
+                hi_pf * (pid < HEADS * SPLITS), h_pf // GROUP, KV_HEADS, HALF, TILE, BLOCK)
+
+        # B: q/k norm, RoPE, cache write, attention
         _grid_wait(counter_ptr, error_ptr, (phase + 1) * nprog, MAX_SPINS, False)
         kc = k_cache + layer * CACHE_LAYER_STRIDE
         vc = v_cache + layer * CACHE_LAYER_STRIDE
         d = tl.arange(0, HALF)
-        if ATTENTION >= 2:  # one program a query head; this token's K/V from registers
+        if ATTENTION == 4:  # a (query head, split) pair a program; split 0 also takes this token
+            for item in range(pid, HEADS * SPLITS, nprog):
+                h, split, lo, hi = _split_range(item, ctx_len - 1, HEADS, SPLITS)
+                kvh = h // GROUP
+                q1, q2 = _scaled_query(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, scale, HALF)
+                m = tl.full((), float("-inf"), tl.float32)
+                denom = tl.zeros((), tl.float32)
+                acc1 = tl.zeros((HALF,), tl.float32)
+                acc2 = tl.zeros((HALF,), tl.float32)
+                if split == 0:
+                    k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
+                    k1 = k1.to(kc.dtype.element_ty).to(tl.float32)
+                    k2 = k2.to(kc.dtype.element_ty).to(tl.float32)
+                    v_src = qkv_ptr + Q + KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
+                    v1 = tl.load(v_src + d, cache_modifier=".cg")
+                    v2 = tl.load(v_src + HALF + d, cache_modifier=".cg")
+                    if h % GROUP == 0:  # one writer a KV head; no program reads this slot in this step
+                        row = (slot * KV_HEADS + kvh) * HEAD_DIM
+                        _store_halves(kc + row, k1, k2, HALF)
+                        _store_halves(vc + row, v1, v2, HALF)
+                    m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)
+                    denom = tl.full((), 1.0, tl.float32)
+                    acc1, acc2 = v1.to(tl.float32), v2.to(tl.float32)
+                first = lo
+                if item == pid:  # its first tile is in registers
+                    if lo < hi:  # (an empty tile would make the online softmax's exp(-inf - -inf))
+                        m, denom, acc1, acc2 = _attend_tile(q1, q2, pk1, pk2, pv1, pv2, pvalid, m, denom, acc1, acc2)
+                    first = lo + TILE
+                m, denom, acc1, acc2 = _attend_range(q1, q2, kc, vc, block_table, first, hi, kvh, m, denom, acc1, acc2,
+                                                     KV_HEADS, HALF, TILE, BLOCK)
+                tl.store(part_m + split * HEADS + h, m)
+                tl.store(part_l + split * HEADS + h, denom)
+                _store_halves(part_acc + split * Q + h * HEAD_DIM, acc1, acc2, HALF)
+        if ATTENTION == 2 or ATTENTION == 3:  # one program a query head; this token's K/V from registers
             for h in range(pid, HEADS, nprog):
                 kvh = h // GROUP
                 k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
@@ -231,7 +313,11 @@ def _decode_layers_kernel(
         # C: o, plus the residual (each program owns its rows of the stream)
         _grid_wait(counter_ptr, error_ptr, (phase + 2) * nprog, MAX_SPINS, False)
         rows = r_o + tl.arange(0, R_O)
-        _add_to_stream(tl.sum(wo.to(tl.float32) * _read_act(attn_ptr, 0, Q)[None, :], axis=1), x_ptr, rows)
+        if ATTENTION == 4:
+            attn = _merged_heads(part_m, part_l, part_acc, Q, HEAD_DIM, HEADS, SPLITS)
+        else:
+            attn = _read_act(attn_ptr, 0, Q)
+        _add_to_stream(tl.sum(wo.to(tl.float32) * attn[None, :], axis=1), x_ptr, rows)
         _grid_arrive(counter_ptr)
         wg1, wg2 = _gate_up_tiles(w_gu + layer * 2 * INTER * HIDDEN, r_gu, HIDDEN, R_GU1, R_GU2)
 
@@ -285,10 +371,19 @@ class DecodeLayers:
         self.qkv = torch.empty(qkv, dtype=torch.bfloat16, device=device)
         self.attn = torch.empty(heads * head_dim, dtype=torch.bfloat16, device=device)
         self.gu = torch.empty(2 * inter, dtype=torch.bfloat16, device=device)
+        self.splits = 8
+        self._partials(self.splits)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
         self.kv_bytes = 2 * layers * context * kv_heads * head_dim * 2
+
+    def _partials(self, splits: int) -> None:
+        """The split attention's partial states: running max, denominator, unnormalized output."""
+        device = self.x.device
+        self.part_m = torch.empty(splits, self.heads, dtype=torch.float32, device=device)
+        self.part_l = torch.empty(splits, self.heads, dtype=torch.float32, device=device)
+        self.part_acc = torch.empty(splits, self.heads * self.head_dim, dtype=torch.float32, device=device)
 
     def _slots(self) -> torch.Tensor:
         pos = torch.arange(self.context, device=self.block_table.device)
@@ -341,18 +436,22 @@ class DecodeLayers:
             x = bf(bf(self.w_down[layer].float() @ act) + x)
         return x
 
-    def run(self, programs: int, num_warps: int, tile: int = 64, attention: int = 2) -> torch.Tensor:
+    def run(self, programs: int, num_warps: int, tile: int = 64, attention: int = 2, splits: int = 8) -> torch.Tensor:
+        """attention: see the kernel; splits: attention 4's splits of the older tokens a head."""
         tiles = slice_tiles(programs, (self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden, self.inter)
+        if splits != self.splits:
+            self.splits = splits
+            self._partials(splits)
         self.x.copy_(self.x0)
         self.counter.zero_()
         _decode_layers_kernel[(programs,)](
             self.x, self.qkv, self.attn, self.gu,
             self.w_qkv, self.w_o, self.w_gu, self.w_down, self.w_in_norm, self.w_post_norm,
             self.w_q_norm, self.w_k_norm, self.k_cache, self.v_cache, self.block_table, self.ctx_len,
-            self.counter, self.errors, self.theta, self.eps, self.scale,
+            self.counter, self.errors, self.part_m, self.part_l, self.part_acc, self.theta, self.eps, self.scale,
             LAYERS=self.layers, HIDDEN=self.hidden, HEADS=self.heads, KV_HEADS=self.kv_heads,
             HEAD_DIM=self.head_dim, INTER=self.inter, CACHE_LAYER_STRIDE=self.k_cache[0].numel(), **tiles,
-            TILE=tile, BLOCK=BLOCK_SIZE, ATTENTION=attention, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+            TILE=tile, BLOCK=BLOCK_SIZE, ATTENTION=attention, SPLITS=splits, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
         return self.x
 
 
@@ -360,10 +459,13 @@ def check(device: torch.device) -> None:
     """One program on a quarter-width model (one program's tile of a whole Qwen3 matrix is over
     Triton's 2**20 elements), two layers, a context of three 16-token blocks and a bit."""
     model = DecodeLayers(CHECK_LAYERS, device, context=50, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=768)
-    for attention in (1, 2, 3):
-        got = model.run(programs=1, num_warps=4, tile=32, attention=attention)
+    # Attention 4 twice: 4 splits of 13 older tokens (one tile each, the first loaded before the
+    # wait), and 2 splits of 25 (a second tile after the wait).
+    for attention, tile, splits in ((1, 32, 8), (2, 32, 8), (3, 32, 8), (4, 16, 4), (4, 16, 2)):
+        got = model.run(programs=1, num_warps=4, tile=tile, attention=attention, splits=splits)
         err = rel_err(got, model.reference(truncate=True))
-        print(f"persistent decode layers, attention={attention}, quarter width, 1 program: rel err {err:.2e} "
+        print(f"persistent decode layers, attention={attention} (tile {tile}, splits {splits}), quarter width, "
+              f"1 program: rel err {err:.2e} "
               f"against a reference that truncates as the interpreter does ({rel_err(got, model.reference()):.2e} "
               f"against rounding); spin timeouts {model.errors.item()}")
         # With the same truncation the only difference left is float32 summation order, far
@@ -394,14 +496,17 @@ def main() -> None:
     results["weights_MB"], results["kv_MB"] = model.nbytes / 1e6, model.kv_bytes / 1e6
     results["floor_us"] = (model.nbytes + model.kv_bytes) / results["copy_GBps"] / 1e3
     names = {0: "no attention (its barrier only)", 1: "a program a KV head", 2: "a program a query head",
-             3: "a query head, first tile before the wait"}
-    for attention, num_warps, tile in ((2, 8, 128), (3, 8, 64), (3, 8, 128), (3, 16, 64), (0, 8, 128)):
-        row = {"name": f"{names[attention]}, {num_warps} warps, tile {tile}"}
+             3: "a query head, first tile before the wait", 4: "head x split pairs, tile before the wait"}
+    variants = [(2, 8, 128, 8), (3, 8, 64, 8), (3, 8, 128, 8)]
+    variants += [(4, 8, tile, splits) for tile, splits in ((32, 8), (16, 8), (64, 4), (32, 4), (32, 6))]
+    variants += [(0, 8, 128, 8)]
+    for attention, num_warps, tile, splits in variants:
+        row = {"name": f"{names[attention]}, {num_warps} warps, tile {tile}" + (f", {splits} splits" if attention == 4 else "")}
         try:
             short.errors.zero_()
             model.errors.zero_()
-            row["rel_err"] = rel_err(short.run(128, num_warps, tile, attention), want)
-            row["us"] = graph_us_per_call(lambda: model.run(128, num_warps, tile, attention), 1, args.replays)
+            row["rel_err"] = rel_err(short.run(128, num_warps, tile, attention, splits), want)
+            row["us"] = graph_us_per_call(lambda: model.run(128, num_warps, tile, attention, splits), 1, args.replays)
             row["spin_timeouts"] = short.errors.item() + model.errors.item()
             # Without attention the result differs from the reference by design: timing only.
             row["ok"] = (row["rel_err"] < TOLERANCE or attention == 0) and row["spin_timeouts"] == 0
