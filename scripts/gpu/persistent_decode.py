@@ -10,8 +10,10 @@ operations that need all of the one before:
 
     A  RMSNorm of the residual stream (every program, redundantly: 1,024 numbers), then
        its rows of qkv
-    B  per KV head: the q and k heads' RMSNorm and RoPE, this token's K/V into the paged
-       cache, attention over the context (the idle programs just pass the barrier)
+    B  the q and k heads' RMSNorm and RoPE, this token's K/V into the paged cache,
+       attention over the context: a program per KV head or per query head (the idle
+       programs just pass the barrier), or a program per (query head, split of the older
+       tokens), whose partial states the programs of C merge
     C  its rows of o, plus the residual
     D  RMSNorm again, its rows of gate_up
     E  SiLU-and-mul of gate_up, its rows of down, plus the residual
