@@ -153,6 +153,28 @@ def _attend_head(q1, q2, k_cache, v_cache, block_table, first, ctx_len, kvh, m, 
 
 
 @triton.jit
+def _this_token(q1, q2, qkv_ptr, w_k_norm, kc, vc, slot, pos, kvh, writer, theta, eps, Q: tl.constexpr,
+                KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This token's K (normed, rotated, rounded as the cache stores it) and V from qkv, kept in
+    registers; `writer` also writes them to the paged cache (one program a KV head: no program
+    reads this slot in this step). Returns the online-softmax state after this one position."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm, pos, theta, eps, HALF)
+    k1 = k1.to(kc.dtype.element_ty).to(tl.float32)
+    k2 = k2.to(kc.dtype.element_ty).to(tl.float32)
+    v_src = qkv_ptr + Q + KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
+    v1 = tl.load(v_src + d, cache_modifier=".cg")
+    v2 = tl.load(v_src + HALF + d, cache_modifier=".cg")
+    if writer:
+        row = (slot * KV_HEADS + kvh) * HEAD_DIM
+        _store_halves(kc + row, k1, k2, HALF)
+        _store_halves(vc + row, v1, v2, HALF)
+    m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)
+    return m, tl.full((), 1.0, tl.float32), v1.to(tl.float32), v2.to(tl.float32)
+
+
+@triton.jit
 def _split_range(item, n_old, HEADS: tl.constexpr, SPLITS: tl.constexpr):
     """Work item `item` of the split attention: query head, split, and its older positions [lo, hi)."""
     chunk = (n_old + SPLITS - 1) // SPLITS
@@ -247,19 +269,8 @@ def _decode_layers_kernel(
                 acc1 = tl.zeros((HALF,), tl.float32)
                 acc2 = tl.zeros((HALF,), tl.float32)
                 if split == 0:
-                    k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
-                    k1 = k1.to(kc.dtype.element_ty).to(tl.float32)
-                    k2 = k2.to(kc.dtype.element_ty).to(tl.float32)
-                    v_src = qkv_ptr + Q + KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
-                    v1 = tl.load(v_src + d, cache_modifier=".cg")
-                    v2 = tl.load(v_src + HALF + d, cache_modifier=".cg")
-                    if h % GROUP == 0:  # one writer a KV head; no program reads this slot in this step
-                        row = (slot * KV_HEADS + kvh) * HEAD_DIM
-                        _store_halves(kc + row, k1, k2, HALF)
-                        _store_halves(vc + row, v1, v2, HALF)
-                    m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)
-                    denom = tl.full((), 1.0, tl.float32)
-                    acc1, acc2 = v1.to(tl.float32), v2.to(tl.float32)
+                    m, denom, acc1, acc2 = _this_token(q1, q2, qkv_ptr, w_k_norm + layer * HEAD_DIM, kc, vc, slot, pos,
+                                                       kvh, h % GROUP == 0, theta, eps, Q, KV_HEADS, HEAD_DIM)
                 first = lo
                 if item == pid:  # its first tile is in registers
                     if lo < hi:  # (an empty tile would make the online softmax's exp(-inf - -inf))
@@ -273,20 +284,9 @@ def _decode_layers_kernel(
         if ATTENTION == 2 or ATTENTION == 3:  # one program a query head; this token's K/V from registers
             for h in range(pid, HEADS, nprog):
                 kvh = h // GROUP
-                k1, k2 = _norm_rope(qkv_ptr + Q + kvh * HEAD_DIM, w_k_norm + layer * HEAD_DIM, pos, theta, eps, HALF)
-                k1 = k1.to(kc.dtype.element_ty).to(tl.float32)
-                k2 = k2.to(kc.dtype.element_ty).to(tl.float32)
-                v_src = qkv_ptr + Q + KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
-                v1 = tl.load(v_src + d, cache_modifier=".cg")
-                v2 = tl.load(v_src + HALF + d, cache_modifier=".cg")
-                if h % GROUP == 0:  # one writer a KV head; no program reads this slot in this phase
-                    row = (slot * KV_HEADS + kvh) * HEAD_DIM
-                    _store_halves(kc + row, k1, k2, HALF)
-                    _store_halves(vc + row, v1, v2, HALF)
                 q1, q2 = _scaled_query(qkv_ptr + h * HEAD_DIM, w_q_norm + layer * HEAD_DIM, pos, theta, eps, scale, HALF)
-                m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)
-                denom = tl.full((), 1.0, tl.float32)
-                acc1, acc2 = v1.to(tl.float32), v2.to(tl.float32)
+                m, denom, acc1, acc2 = _this_token(q1, q2, qkv_ptr, w_k_norm + layer * HEAD_DIM, kc, vc, slot, pos,
+                                                   kvh, h % GROUP == 0, theta, eps, Q, KV_HEADS, HEAD_DIM)
                 first = 0
                 if ATTENTION == 3:  # the first tile of older tokens is in registers: loaded before the wait
                     if h == pid:
