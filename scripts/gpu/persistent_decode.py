@@ -49,6 +49,7 @@ from persistent_chain import (MAX_SPINS, _dot_store, _down_tiles, _gate_up_tiles
                               _grid_arrive, _grid_wait, _read_act, _rows, rel_err, slice_tiles)
 
 BLOCK_SIZE = 16
+MAX_SPLITS = 8  # attention 4's partial-state buffers hold this many splits a head
 CHECK_LAYERS = 2
 # Two layers of bf16 stores (about 2**-8 relative each) after float32 arithmetic in a
 # different summation order; the norms keep the vector's size, so differences stay at a few
@@ -249,7 +250,7 @@ def _decode_layers_kernel(
         if ATTENTION == 4:
             # Older tokens' K/V do not depend on this step: each program requests the first tile
             # of its own work item before it waits (past the last item, every load is masked off).
-            h_pf, s_pf, lo_pf, hi_pf = _split_range(pid, ctx_len - 1, HEADS, SPLITS)
+            h_pf, _, lo_pf, hi_pf = _split_range(pid, ctx_len - 1, HEADS, SPLITS)
             pk1, pk2, pv1, pv2, pvalid = _load_kv_tile(
                 k_cache + layer * CACHE_LAYER_STRIDE, v_cache + layer * CACHE_LAYER_STRIDE, block_table, lo_pf,
                 hi_pf * (pid < HEADS * SPLITS), h_pf // GROUP, KV_HEADS, HALF, TILE, BLOCK)
@@ -373,19 +374,14 @@ class DecodeLayers:
         self.qkv = torch.empty(qkv, dtype=torch.bfloat16, device=device)
         self.attn = torch.empty(heads * head_dim, dtype=torch.bfloat16, device=device)
         self.gu = torch.empty(2 * inter, dtype=torch.bfloat16, device=device)
-        self.splits = 8
-        self._partials(self.splits)
+        # Attention 4's partial states a (split, head): running max, denominator, unnormalized output.
+        self.part_m = torch.empty(MAX_SPLITS, heads, dtype=torch.float32, device=device)
+        self.part_l = torch.empty(MAX_SPLITS, heads, dtype=torch.float32, device=device)
+        self.part_acc = torch.empty(MAX_SPLITS, heads * head_dim, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
         self.kv_bytes = 2 * layers * context * kv_heads * head_dim * 2
-
-    def _partials(self, splits: int) -> None:
-        """The split attention's partial states: running max, denominator, unnormalized output."""
-        device = self.x.device
-        self.part_m = torch.empty(splits, self.heads, dtype=torch.float32, device=device)
-        self.part_l = torch.empty(splits, self.heads, dtype=torch.float32, device=device)
-        self.part_acc = torch.empty(splits, self.heads * self.head_dim, dtype=torch.float32, device=device)
 
     def _slots(self) -> torch.Tensor:
         pos = torch.arange(self.context, device=self.block_table.device)
@@ -441,9 +437,8 @@ class DecodeLayers:
     def run(self, programs: int, num_warps: int, tile: int = 64, attention: int = 2, splits: int = 8) -> torch.Tensor:
         """attention: see the kernel; splits: attention 4's splits of the older tokens a head."""
         tiles = slice_tiles(programs, (self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden, self.inter)
-        if splits != self.splits:
-            self.splits = splits
-            self._partials(splits)
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
         self.x.copy_(self.x0)
         self.counter.zero_()
         _decode_layers_kernel[(programs,)](
