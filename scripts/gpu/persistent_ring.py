@@ -1,0 +1,258 @@
+"""The chain of batch-1 products with its weights streamed through shared memory (chapter 06).
+
+    python scripts/gpu/persistent_ring.py --json ring.json      (on the GPU machine, Hopper)
+
+`persistent_chain.py` found that a persistent kernel with grid barriers gains only what it
+loads ahead of each barrier, and that registers are too few to hold much: its best variant,
+each program's whole next slice of weights in flight, took the 112 products of Qwen3-0.6B's
+batch-1 step to 503 µs against a 297 µs floor on an H100. The loads there land in registers,
+so a program can have at most one product's slice on the way, and it can only ask for it once
+it has finished with the slice before.
+
+This kernel keeps the weights in a ring of shared-memory slots instead, filled with
+asynchronous copies (`cp.async`, through Triton's lower-level Gluon dialect, which exposes
+shared memory and the copies that Triton proper hides inside its software pipeliner):
+
+- Before the run, each program's weights for the whole chain are laid out as one contiguous
+  stream of 8 KiB chunks, in the order it will use them: for every layer and product, its
+  rows of the matrix, 8 rows by 512 columns at a time. Weights never depend on activations,
+  so the stream can be read at any time, in order, without knowing where a product ends.
+- The program keeps STAGES - 1 chunks in flight. Each time it takes a chunk out of the ring
+  it asks for the one STAGES - 1 further on, which may belong to the next product or the
+  next layer. While it waits at a grid barrier, its copies keep arriving.
+- At each product the program waits at the grid barrier, reads the product's input vector
+  from L2 into shared memory (SiLU-and-mul for down), and then walks its chunks: each chunk
+  times its slice of the input, summed over the chunk's 512 columns, into a float32 row.
+
+Correctness is checked against float32 on a 2-layer chain, as in `persistent_chain.py`
+(same tolerance and the reason for it), before the 28-layer chain is timed. This runs on a
+GPU only: the interpreter does not run Gluon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "gpu"))
+sys.path.insert(0, os.getcwd())
+from persistent_chain import MAX_SPINS, TOLERANCE, Chain, rel_err  # noqa: E402
+
+CHUNK_ROWS, CHUNK_COLS = 8, 512  # one chunk: 8 KiB of bf16, two 16-byte copies a thread at 8 warps
+
+
+@gluon.jit
+def _issue_chunk(ring, stream_ptr, chunk, total_chunks, offsets, STAGES: gl.constexpr,
+                 CHUNK: gl.constexpr):
+    """Ask for chunk `chunk` of this program's stream into its ring slot; past the end, nothing
+    is read, but a group is still committed so that the wait below counts the same."""
+    async_copy.async_copy_global_to_shared(ring.index(chunk % STAGES), stream_ptr + chunk * CHUNK + offsets,
+                                           mask=(offsets >= 0) & (chunk < total_chunks))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _grid_arrive(counter_ptr):
+    gl.thread_barrier()  # every thread's stores of this phase are issued before the release
+    gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _grid_wait(counter_ptr, error_ptr, target, MAX_SPINS: gl.constexpr):
+    seen = gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        gl.atomic_add(error_ptr, 1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _stage_input(x_ptr, x_smem, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.constexpr,
+                 CHUNK_COLS: gl.constexpr, vec_layout: gl.constexpr):
+    """The product's input, read from L2 (.cg: other programs wrote it) into shared memory as
+    float32, one row of CHUNK_COLS per column block. For down it is SiLU(gate) * up, the gate
+    rounded to bf16 as the engine's separate kernel stores it."""
+    for kb in gl.static_range(K // CHUNK_COLS):
+        cols = kb * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
+        if GATED:
+            gate = gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32)
+            up = gl.load(x_ptr + INTER + cols, cache_modifier=".cg").to(gl.float32)
+            silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+            x_smem.index(kb).store(silu * up)
+        else:
+            x_smem.index(kb).store(gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _product(ring, x_smem, stream_ptr, out_ptr, chunk, total_chunks, row0, offsets,
+             ROWS: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
+             CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, w_layout: gl.constexpr):
+    """out[row0 : row0 + ROWS] = W[rows] @ x, W's rows arriving through the ring in chunk order."""
+    out_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+    x_layout: gl.constexpr = gl.SliceLayout(0, w_layout)
+    for rb in range(ROWS // CHUNK_ROWS):
+        acc = gl.zeros([CHUNK_ROWS, CHUNK_COLS], gl.float32, layout=w_layout)
+        for kb in range(K // CHUNK_COLS):
+            # Chunk `chunk` has landed once at most STAGES - 2 younger groups are pending.
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            w = ring.index(chunk % STAGES).load(w_layout)
+            # The slot read one step ago is free: refill it, STAGES - 1 chunks ahead.
+            _issue_chunk(ring, stream_ptr, chunk + STAGES - 1, total_chunks, offsets, STAGES, CHUNK)
+            acc += w.to(gl.float32) * x_smem.index(kb).load(x_layout)[None, :]
+            chunk += 1
+        rows = row0 + rb * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, layout=out_layout)
+        gl.store(out_ptr + rows, gl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
+    return chunk
+
+
+@gluon.jit
+def _ring_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, counter_ptr, error_ptr,
+                       LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
+                       R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
+                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr):
+    # One chunk: CHUNK_ROWS rows of CHUNK_COLS columns, 8 contiguous bf16 (16 bytes, one
+    # cp.async) a thread, a warp along the columns. The ring's slots are read back in the same
+    # layout they were copied in.
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    x_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
+    PER_LAYER: gl.constexpr = (R_QKV * HIDDEN + R_O * Q + R_GU * HIDDEN + R_O * INTER) // CHUNK
+    total_chunks = LAYERS * PER_LAYER
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    stream_ptr += pid.to(gl.int64) * total_chunks * CHUNK
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, CHUNK_ROWS, CHUNK_COLS], ring_layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [INTER // CHUNK_COLS, CHUNK_COLS], x_smem_layout)
+    r = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, w_layout))
+    c = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, w_layout))
+    offsets = r[:, None] * CHUNK_COLS + c[None, :]
+    for s in gl.static_range(STAGES - 1):
+        _issue_chunk(ring, stream_ptr, s, total_chunks, offsets, STAGES, CHUNK)
+    chunk = 0
+    for layer in range(LAYERS):
+        phase = layer * 4
+        _grid_wait(counter_ptr, error_ptr, phase * nprog, MAX_SPINS)
+        _stage_input(x_ptr, x_smem, HIDDEN, INTER, False, CHUNK_COLS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, qkv_ptr, chunk, total_chunks, pid * R_QKV, offsets,
+                         R_QKV, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout)
+        _grid_arrive(counter_ptr)
+        _grid_wait(counter_ptr, error_ptr, (phase + 1) * nprog, MAX_SPINS)
+        _stage_input(qkv_ptr, x_smem, Q, INTER, False, CHUNK_COLS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, h_ptr, chunk, total_chunks, pid * R_O, offsets,
+                         R_O, Q, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout)
+        _grid_arrive(counter_ptr)
+        _grid_wait(counter_ptr, error_ptr, (phase + 2) * nprog, MAX_SPINS)
+        _stage_input(h_ptr, x_smem, HIDDEN, INTER, False, CHUNK_COLS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, gu_ptr, chunk, total_chunks, pid * R_GU, offsets,
+                         R_GU, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout)
+        _grid_arrive(counter_ptr)
+        _grid_wait(counter_ptr, error_ptr, (phase + 3) * nprog, MAX_SPINS)
+        _stage_input(gu_ptr, x_smem, INTER, INTER, True, CHUNK_COLS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, x_ptr, chunk, total_chunks, pid * R_O, offsets,
+                         R_O, INTER, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout)
+        _grid_arrive(counter_ptr)
+    async_copy.wait_group(0)
+
+
+def pack_streams(chain: Chain, programs: int) -> torch.Tensor:
+    """Every program's weights for the whole chain, in the order it uses them: [programs, chunks,
+    CHUNK_ROWS, CHUNK_COLS]. Program p owns rows [p * R, (p + 1) * R) of each product; within a
+    layer its chunks are qkv's, o's, gate_up's, down's, each row block's column blocks in turn."""
+    parts = []
+    for w in (chain.w_qkv, chain.w_o, chain.w_gu, chain.w_down):
+        layers, n, k = w.shape
+        rows = n // programs
+        blocks = w.reshape(layers, programs, rows // CHUNK_ROWS, CHUNK_ROWS, k // CHUNK_COLS, CHUNK_COLS)
+        # -> [programs, layers, row block, column block, CHUNK_ROWS, CHUNK_COLS]
+        parts.append(blocks.permute(1, 0, 2, 4, 3, 5).reshape(programs, layers, -1, CHUNK_ROWS, CHUNK_COLS))
+    return torch.cat(parts, dim=2).reshape(programs, -1, CHUNK_ROWS, CHUNK_COLS).contiguous()
+
+
+def ring_tiles(chain: Chain, programs: int) -> dict[str, int]:
+    for n, k in ((chain.QKV, chain.HIDDEN), (chain.HIDDEN, chain.Q), (2 * chain.INTER, chain.HIDDEN),
+                 (chain.HIDDEN, chain.INTER)):
+        if n % (programs * CHUNK_ROWS) or k % CHUNK_COLS:
+            raise ValueError(f"a {n} x {k} product does not split into {programs} programs' {CHUNK_ROWS}-row "
+                             f"blocks of {CHUNK_COLS} columns")
+    return dict(R_QKV=chain.QKV // programs, R_O=chain.HIDDEN // programs, R_GU=2 * chain.INTER // programs)
+
+
+def run_ring(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, programs: int, stages: int,
+             num_warps: int) -> torch.Tensor:
+    chain.x.copy_(x0)
+    chain.counter.zero_()
+    _ring_chain_kernel[(programs,)](
+        stream, chain.x, chain.qkv, chain.h, chain.gu, chain.counter, chain.errors,
+        LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+    return chain.x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--programs", type=int, default=128)
+    parser.add_argument("--configs", default="4:4,8:4,16:4,24:4,8:8,16:8,24:8",
+                        help="comma-separated STAGES:WARPS")
+    args = parser.parse_args()
+
+    from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call
+
+    device = torch.device("cuda")
+    chain, short = Chain(28, device), Chain(2, device)
+    want = short.reference(short.x0)
+    programs = args.programs
+    stream, short_stream = pack_streams(chain, programs), pack_streams(short, programs)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "programs": programs, "copy_GBps": copy_bandwidth_gbps(), "weights_MB": chain.nbytes / 1e6,
+               "rows": []}
+    results["floor_us"] = chain.nbytes / results["copy_GBps"] / 1e3
+    variants = [("separate, cuBLAS gate_up", lambda c, s, x: c.separate(x, "cublas")),
+                ("persistent slice programs=128 warps=8", lambda c, s, x: c.persistent_slice(x, 128, 8))]
+    for config in args.configs.split(","):
+        stages, warps = (int(v) for v in config.split(":"))
+        variants.append((f"ring STAGES={stages} warps={warps}",
+                         lambda c, s, x, st=stages, w=warps: run_ring(c, s, x, programs, st, w)))
+    for name, fn in variants:
+        row = {"name": name}
+        try:
+            short.errors.zero_()
+            chain.errors.zero_()
+            row["rel_err"] = rel_err(fn(short, short_stream, short.x0), want)
+            row["us"] = graph_us_per_call(lambda: fn(chain, stream, chain.x0), 1, args.replays)
+            row["spin_timeouts"] = short.errors.item() + chain.errors.item()
+            row["ok"] = row["rel_err"] < TOLERANCE and row["spin_timeouts"] == 0
+        except Exception as exc:  # a configuration that does not compile or fit is recorded, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        results["rows"].append(row)
+        print(row, flush=True)
+    if args.json:
+        json.dump(results, open(args.json, "w"), indent=1)
+    print(f"\n{results['device']}, {programs} programs, copy {results['copy_GBps']:.0f} GB/s; "
+          f"{results['weights_MB']:.0f} MB of weights, floor {results['floor_us']:.0f} µs")
+    print(f"{'chain of 112 products':40} {'µs':>7} {'x floor':>7} {'rel err':>8} ok")
+    for r in results["rows"]:
+        if "us" in r:
+            print(f"{r['name']:40} {r['us']:7.1f} {r['us'] / results['floor_us']:7.2f} {r['rel_err']:8.1e} {r['ok']}")
+        else:
+            print(f"{r['name']:40} {r.get('error')}")
+
+
+if __name__ == "__main__":
+    main()
