@@ -5,6 +5,8 @@ not engine code, but the chapter's tables rest on their kernels computing the ri
 On the GPU each script checks every variant against float32 before timing it; here their
 `--check` paths run one program (a grid barrier with one program passes at once), so the
 arithmetic, the phases and the paged attention are covered by every CI run.
+`scripts/gpu/persistent_ring.py` is Gluon, which the interpreter does not run: here only its
+weight stream's order is checked against the order its loop reads it.
 """
 
 from __future__ import annotations
@@ -69,3 +71,36 @@ def test_persistent_decode_detects_a_wrong_input(attention):
         model.k0[0, model._slots()[position]] += 1
         model.k_cache.copy_(model.k0)
         assert err() > 1e-3, position
+
+
+def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it():
+    """`persistent_ring.py`'s kernel is Gluon, which the interpreter does not run; on the GPU it
+    is checked against float32 before it is timed. What can be checked here is the contract
+    between its host-side packing and its loop: walking each program's stream in the kernel's
+    order (layers; qkv, o, gate_up, down; row blocks; column blocks) and multiplying chunk by
+    chunk must give every product's rows. A packing that swapped the row and column blocks, or
+    the programs, would give other rows, and the comparison fails."""
+    pr = _load("persistent_ring")
+    chain = pr.Chain(2, torch.device("cpu"), hidden=512, qkv=2048, q=1024, inter=1536)
+    programs = 4
+    tiles = pr.ring_tiles(chain, programs)
+    stream = pr.pack_streams(chain, programs)
+    rows_of = {"qkv": tiles["R_QKV"], "o": tiles["R_O"], "gate_up": tiles["R_GU"], "down": tiles["R_O"]}
+    torch.manual_seed(0)
+    for p in range(programs):
+        chunk = 0
+        for layer in range(chain.layers):
+            for name, w in (("qkv", chain.w_qkv), ("o", chain.w_o), ("gate_up", chain.w_gu), ("down", chain.w_down)):
+                k = w.shape[2]
+                x = torch.randn(k)
+                got = []
+                for _ in range(rows_of[name] // pr.CHUNK_ROWS):
+                    acc = torch.zeros(pr.CHUNK_ROWS)
+                    for kb in range(k // pr.CHUNK_COLS):
+                        acc += stream[p, chunk].float() @ x[kb * pr.CHUNK_COLS:(kb + 1) * pr.CHUNK_COLS]
+                        chunk += 1
+                    got.append(acc)
+                rows = slice(p * rows_of[name], (p + 1) * rows_of[name])
+                want = w[layer, rows].float() @ x
+                torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)  # float32 summation order
+        assert chunk == stream.shape[1]  # the kernel's total_chunks: nothing left unread
