@@ -73,18 +73,19 @@ def test_persistent_decode_detects_a_wrong_input(attention):
         assert err() > 1e-3, position
 
 
-def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it():
+@pytest.mark.parametrize("columns_first", [False, True])
+def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it(columns_first):
     """`persistent_ring.py`'s kernel is Gluon, which the interpreter does not run; on the GPU it
     is checked against float32 before it is timed. What can be checked here is the contract
     between its host-side packing and its loop: walking each program's stream in the kernel's
-    order (layers; qkv, o, gate_up, down; row blocks; column blocks) and multiplying chunk by
-    chunk must give every product's rows. A packing that swapped the row and column blocks, or
+    order (layers; qkv, o, gate_up, down; row blocks, then column blocks, or for the flow kernel
+    column blocks, then row blocks) and multiplying chunk by chunk must give every product's rows. A packing that swapped the row and column blocks, or
     the programs, would give other rows, and the comparison fails."""
     pr = _load("persistent_ring")
     chain = pr.Chain(2, torch.device("cpu"), hidden=512, qkv=2048, q=1024, inter=1536)
     programs = 4
     tiles = pr.ring_tiles(chain, programs)
-    stream = pr.pack_streams(chain, programs)
+    stream = pr.pack_streams(chain, programs, columns_first)
     rows_of = {"qkv": tiles["R_QKV"], "o": tiles["R_O"], "gate_up": tiles["R_GU"], "down": tiles["R_O"]}
     torch.manual_seed(0)
     for p in range(programs):
@@ -93,14 +94,14 @@ def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it():
             for name, w in (("qkv", chain.w_qkv), ("o", chain.w_o), ("gate_up", chain.w_gu), ("down", chain.w_down)):
                 k = w.shape[2]
                 x = torch.randn(k)
-                got = []
-                for _ in range(rows_of[name] // pr.CHUNK_ROWS):
-                    acc = torch.zeros(pr.CHUNK_ROWS)
-                    for kb in range(k // pr.CHUNK_COLS):
-                        acc += stream[p, chunk].float() @ x[kb * pr.CHUNK_COLS:(kb + 1) * pr.CHUNK_COLS]
-                        chunk += 1
-                    got.append(acc)
+                row_blocks, col_blocks = rows_of[name] // pr.CHUNK_ROWS, k // pr.CHUNK_COLS
+                got = torch.zeros(row_blocks, pr.CHUNK_ROWS)
+                walk = ([(rb, kb) for kb in range(col_blocks) for rb in range(row_blocks)] if columns_first
+                        else [(rb, kb) for rb in range(row_blocks) for kb in range(col_blocks)])
+                for rb, kb in walk:
+                    got[rb] += stream[p, chunk].float() @ x[kb * pr.CHUNK_COLS:(kb + 1) * pr.CHUNK_COLS]
+                    chunk += 1
                 rows = slice(p * rows_of[name], (p + 1) * rows_of[name])
                 want = w[layer, rows].float() @ x
-                torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)  # float32 summation order
+                torch.testing.assert_close(got.flatten(), want, rtol=1e-4, atol=1e-4)  # float32 summation order
         assert chunk == stream.shape[1]  # the kernel's total_chunks: nothing left unread

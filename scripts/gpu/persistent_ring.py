@@ -24,6 +24,11 @@ shared memory and the copies that Triton proper hides inside its software pipeli
   from L2 into shared memory (SiLU-and-mul for down), and then walks its chunks: each chunk
   times its slice of the input, summed over the chunk's 512 columns, into a float32 row.
 
+A second kernel, the *flow* variant, has no grid barriers at all: each program counts the
+products it has finished, and a product starts on each 512-column block of its input as soon
+as the programs that wrote that block are done, its partial row sums kept in shared memory.
+Its stream holds each product's chunks column block by column block.
+
 A timing-only variant (`:nosync` in `--configs`) drops the grid barriers: it shows what the
 stream and the products cost with no program waiting for another.
 
@@ -176,17 +181,131 @@ def _ring_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, counter_ptr, e
     async_copy.wait_group(0)
 
 
-def pack_streams(chain: Chain, programs: int) -> torch.Tensor:
+@gluon.jit
+def _wait_rows(done_ptr, error_ptr, lo, hi, R_IN: gl.constexpr, target, MAX_SPINS: gl.constexpr,
+               poll_layout: gl.constexpr):
+    """Wait until the programs that wrote rows [lo, hi) of the previous product have finished
+    it: program q wrote rows [q * R_IN, (q + 1) * R_IN), and done[q] counts the products it has
+    finished. One thread polls each producer's counter."""
+    first = lo // R_IN
+    count = (hi - 1) // R_IN - first + 1
+    q = gl.arange(0, 32 * gl.num_warps(), layout=poll_layout)
+    mask = q < count
+    ready = q * 0 + target  # what the threads without a producer report
+    seen = gl.min(gl.where(mask, gl.atomic_add(done_ptr + first + q, q * 0, mask=mask, sem="acquire", scope="gpu"),
+                           ready), axis=0)
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = gl.min(gl.where(mask, gl.atomic_add(done_ptr + first + q, q * 0, mask=mask, sem="acquire", scope="gpu"),
+                               ready), axis=0)
+        spins += 1
+    if seen < target:
+        gl.atomic_add(error_ptr, 1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _flow_product(ring, part_smem, stream_ptr, in_ptr, out_ptr, done_ptr, error_ptr, target, chunk, total_chunks,
+                  row0, offsets, ROWS: gl.constexpr, K: gl.constexpr, R_IN: gl.constexpr, GATED: gl.constexpr,
+                  INTER: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, w_layout: gl.constexpr,
+                  poll_layout: gl.constexpr):
+    """out[row0 : row0 + ROWS] = W[rows] @ x, one column block of x at a time, each as soon as
+    the programs that wrote it are done: no barrier for the whole product. The partial sums of
+    the program's rows stay in shared memory between column blocks."""
+    out_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+    x_layout: gl.constexpr = gl.SliceLayout(0, w_layout)
+    for kb in range(K // CHUNK_COLS):
+        lo = kb * CHUNK_COLS
+        _wait_rows(done_ptr, error_ptr, lo, lo + CHUNK_COLS, R_IN, target, MAX_SPINS, poll_layout)
+        cols = lo + gl.arange(0, CHUNK_COLS, layout=x_layout)
+        if GATED:
+            _wait_rows(done_ptr, error_ptr, INTER + lo, INTER + lo + CHUNK_COLS, R_IN, target, MAX_SPINS,
+                       poll_layout)
+            gate = gl.load(in_ptr + cols, cache_modifier=".cg").to(gl.float32)
+            up = gl.load(in_ptr + INTER + cols, cache_modifier=".cg").to(gl.float32)
+            x = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32) * up
+        else:
+            x = gl.load(in_ptr + cols, cache_modifier=".cg").to(gl.float32)
+        for rb in range(ROWS // CHUNK_ROWS):
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            w = ring.index(chunk % STAGES).load(w_layout)
+            _issue_chunk(ring, stream_ptr, chunk + STAGES - 1, total_chunks, offsets, STAGES, CHUNK)
+            part = gl.sum(w.to(gl.float32) * x[None, :], axis=1)
+            if kb > 0:
+                part += part_smem.index(rb).load(out_layout)
+            part_smem.index(rb).store(part)
+            chunk += 1
+    gl.thread_barrier()
+    for rb in range(ROWS // CHUNK_ROWS):
+        rows = row0 + rb * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, layout=out_layout)
+        gl.store(out_ptr + rows, part_smem.index(rb).load(out_layout).to(out_ptr.dtype.element_ty))
+    gl.thread_barrier()  # every thread's stores are issued before the release
+    gl.atomic_add(done_ptr + gl.program_id(0), 1, sem="release", scope="gpu")
+    return chunk
+
+
+@gluon.jit
+def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, error_ptr,
+                       LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
+                       R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
+                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr):
+    """The ring kernel without grid barriers: a counter per program (how many products it has
+    finished) instead, and each product started on the part of its input that is ready. Its
+    stream holds each product's chunks column block by column block (pack_streams with
+    columns_first). A program may run ahead only as far as its inputs allow. That never lets it
+    overwrite a vector another program still reads: each vector is rewritten a layer later, and
+    before that every writer needs an input that every program wrote after reading the old one
+    (down reads all of gate_up, qkv all of down, gate_up all of o)."""
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    poll_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    part_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
+    PER_LAYER: gl.constexpr = (R_QKV * HIDDEN + R_O * Q + R_GU * HIDDEN + R_O * INTER) // CHUNK
+    total_chunks = LAYERS * PER_LAYER
+    pid = gl.program_id(0)
+    stream_ptr += pid.to(gl.int64) * total_chunks * CHUNK
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, CHUNK_ROWS, CHUNK_COLS], ring_layout)
+    part_smem = gl.allocate_shared_memory(gl.float32, [R_GU // CHUNK_ROWS, CHUNK_ROWS], part_layout)
+    r = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, w_layout))
+    c = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, w_layout))
+    offsets = r[:, None] * CHUNK_COLS + c[None, :]
+    for s in gl.static_range(STAGES - 1):
+        _issue_chunk(ring, stream_ptr, s, total_chunks, offsets, STAGES, CHUNK)
+    chunk = 0
+    for layer in range(LAYERS):
+        phase = layer * 4  # a product of phase p needs its producers' done >= p
+        chunk = _flow_product(ring, part_smem, stream_ptr, x_ptr, qkv_ptr, done_ptr, error_ptr, phase, chunk,
+                              total_chunks, pid * R_QKV, offsets, R_QKV, HIDDEN, R_O, False, INTER, STAGES, CHUNK,
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+        chunk = _flow_product(ring, part_smem, stream_ptr, qkv_ptr, h_ptr, done_ptr, error_ptr, phase + 1, chunk,
+                              total_chunks, pid * R_O, offsets, R_O, Q, R_QKV, False, INTER, STAGES, CHUNK,
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+        chunk = _flow_product(ring, part_smem, stream_ptr, h_ptr, gu_ptr, done_ptr, error_ptr, phase + 2, chunk,
+                              total_chunks, pid * R_GU, offsets, R_GU, HIDDEN, R_O, False, INTER, STAGES, CHUNK,
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+        chunk = _flow_product(ring, part_smem, stream_ptr, gu_ptr, x_ptr, done_ptr, error_ptr, phase + 3, chunk,
+                              total_chunks, pid * R_O, offsets, R_O, INTER, R_GU, True, INTER, STAGES, CHUNK,
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+    async_copy.wait_group(0)
+
+
+
+def pack_streams(chain: Chain, programs: int, columns_first: bool = False) -> torch.Tensor:
     """Every program's weights for the whole chain, in the order it uses them: [programs, chunks,
     CHUNK_ROWS, CHUNK_COLS]. Program p owns rows [p * R, (p + 1) * R) of each product; within a
-    layer its chunks are qkv's, o's, gate_up's, down's, each row block's column blocks in turn."""
+    layer its chunks are qkv's, o's, gate_up's, down's, each row block's column blocks in turn
+    (or, with columns_first, each column block's row blocks: the flow kernel's order)."""
+    order = (1, 0, 4, 2, 3, 5) if columns_first else (1, 0, 2, 4, 3, 5)
     parts = []
     for w in (chain.w_qkv, chain.w_o, chain.w_gu, chain.w_down):
         layers, n, k = w.shape
         rows = n // programs
         blocks = w.reshape(layers, programs, rows // CHUNK_ROWS, CHUNK_ROWS, k // CHUNK_COLS, CHUNK_COLS)
-        # -> [programs, layers, row block, column block, CHUNK_ROWS, CHUNK_COLS]
-        parts.append(blocks.permute(1, 0, 2, 4, 3, 5).reshape(programs, layers, -1, CHUNK_ROWS, CHUNK_COLS))
+        # -> [programs, layers, row block, column block, CHUNK_ROWS, CHUNK_COLS] (or column, row)
+        parts.append(blocks.permute(order).reshape(programs, layers, -1, CHUNK_ROWS, CHUNK_COLS))
     return torch.cat(parts, dim=2).reshape(programs, -1, CHUNK_ROWS, CHUNK_COLS).contiguous()
 
 
@@ -213,6 +332,18 @@ def run_ring(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, programs: int
     return chain.x
 
 
+def run_flow(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, done: torch.Tensor, programs: int,
+             stages: int, num_warps: int) -> torch.Tensor:
+    """The flow kernel; `stream` packed with columns_first, `done` one int32 per program."""
+    chain.x.copy_(x0)
+    done.zero_()
+    _flow_chain_kernel[(programs,)](
+        stream, chain.x, chain.qkv, chain.h, chain.gu, done, chain.errors,
+        LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+    return chain.x
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -220,6 +351,8 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=128)
     parser.add_argument("--configs", default="4:4,8:4,16:4,24:4,8:8,16:8,24:8,8:4:nosync,24:4:nosync",
                         help="comma-separated STAGES:WARPS, with :nosync for the timing-only variant")
+    parser.add_argument("--flow-configs", default="8:4,16:4,24:4,8:8,24:8",
+                        help="comma-separated STAGES:WARPS of the flow kernel (a counter per program)")
     args = parser.parse_args()
 
     from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call
@@ -229,6 +362,8 @@ def main() -> None:
     want = short.reference(short.x0)
     programs = args.programs
     stream, short_stream = pack_streams(chain, programs), pack_streams(short, programs)
+    by_columns = {id(chain): pack_streams(chain, programs, True), id(short): pack_streams(short, programs, True)}
+    done = torch.zeros(programs, device=device, dtype=torch.int32)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "programs": programs, "copy_GBps": copy_bandwidth_gbps(), "weights_MB": chain.nbytes / 1e6,
                "rows": []}
@@ -240,6 +375,10 @@ def main() -> None:
         sync = rest != ["nosync"]
         variants.append((f"ring STAGES={stages} warps={warps}" + ("" if sync else " no barriers (time only)"),
                          lambda c, s, x, st=int(stages), w=int(warps), sy=sync: run_ring(c, s, x, programs, st, w, sy)))
+    for config in filter(None, args.flow_configs.split(",")):
+        stages, warps = (int(v) for v in config.split(":"))
+        variants.append((f"flow STAGES={stages} warps={warps}",
+                         lambda c, s, x, st=stages, w=warps: run_flow(c, by_columns[id(c)], x, done, programs, st, w)))
     for name, fn in variants:
         row = {"name": name}
         try:
