@@ -182,8 +182,19 @@ def _ring_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, counter_ptr, e
 
 
 @gluon.jit
+def _poll_counters(ptrs, mask, POLL_LOAD: gl.constexpr):
+    """Each thread reads one producer's counter with acquire order: an atomic read, or (POLL_LOAD)
+    a plain load, which many programs can make of one cache line at once where atomics queue."""
+    if POLL_LOAD:
+        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return gl.atomic_add(ptrs, mask.to(gl.int32) * 0, mask=mask, sem="acquire", scope="gpu")
+
+
+@gluon.jit
 def _wait_rows(done_ptr, error_ptr, lo, hi, R_IN: gl.constexpr, target, MAX_SPINS: gl.constexpr,
-               poll_layout: gl.constexpr):
+               POLL_LOAD: gl.constexpr, poll_layout: gl.constexpr):
     """Wait until the programs that wrote rows [lo, hi) of the previous product have finished
     it: program q wrote rows [q * R_IN, (q + 1) * R_IN), and done[q] counts the products it has
     finished. One thread polls each producer's counter."""
@@ -191,13 +202,12 @@ def _wait_rows(done_ptr, error_ptr, lo, hi, R_IN: gl.constexpr, target, MAX_SPIN
     count = (hi - 1) // R_IN - first + 1
     q = gl.arange(0, 32 * gl.num_warps(), layout=poll_layout)
     mask = q < count
-    ready = q * 0 + target  # what the threads without a producer report
-    seen = gl.min(gl.where(mask, gl.atomic_add(done_ptr + first + q, q * 0, mask=mask, sem="acquire", scope="gpu"),
-                           ready), axis=0)
+    ptrs = done_ptr + first + gl.where(mask, q, 0)  # threads without a producer read the first one's
+    ready = q * 0 + target
+    seen = gl.min(gl.where(mask, _poll_counters(ptrs, mask, POLL_LOAD), ready), axis=0)
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):
-        seen = gl.min(gl.where(mask, gl.atomic_add(done_ptr + first + q, q * 0, mask=mask, sem="acquire", scope="gpu"),
-                               ready), axis=0)
+        seen = gl.min(gl.where(mask, _poll_counters(ptrs, mask, POLL_LOAD), ready), axis=0)
         spins += 1
     if seen < target:
         gl.atomic_add(error_ptr, 1)
@@ -208,8 +218,8 @@ def _wait_rows(done_ptr, error_ptr, lo, hi, R_IN: gl.constexpr, target, MAX_SPIN
 def _flow_product(ring, part_smem, stream_ptr, in_ptr, out_ptr, done_ptr, error_ptr, target, chunk, total_chunks,
                   row0, offsets, ROWS: gl.constexpr, K: gl.constexpr, R_IN: gl.constexpr, GATED: gl.constexpr,
                   INTER: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, w_layout: gl.constexpr,
-                  poll_layout: gl.constexpr):
+                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, POLL_LOAD: gl.constexpr,
+                  w_layout: gl.constexpr, poll_layout: gl.constexpr):
     """out[row0 : row0 + ROWS] = W[rows] @ x, one column block of x at a time, each as soon as
     the programs that wrote it are done: no barrier for the whole product. The partial sums of
     the program's rows stay in shared memory between column blocks."""
@@ -217,11 +227,11 @@ def _flow_product(ring, part_smem, stream_ptr, in_ptr, out_ptr, done_ptr, error_
     x_layout: gl.constexpr = gl.SliceLayout(0, w_layout)
     for kb in range(K // CHUNK_COLS):
         lo = kb * CHUNK_COLS
-        _wait_rows(done_ptr, error_ptr, lo, lo + CHUNK_COLS, R_IN, target, MAX_SPINS, poll_layout)
+        _wait_rows(done_ptr, error_ptr, lo, lo + CHUNK_COLS, R_IN, target, MAX_SPINS, POLL_LOAD, poll_layout)
         cols = lo + gl.arange(0, CHUNK_COLS, layout=x_layout)
         if GATED:
             _wait_rows(done_ptr, error_ptr, INTER + lo, INTER + lo + CHUNK_COLS, R_IN, target, MAX_SPINS,
-                       poll_layout)
+                       POLL_LOAD, poll_layout)
             gate = gl.load(in_ptr + cols, cache_modifier=".cg").to(gl.float32)
             up = gl.load(in_ptr + INTER + cols, cache_modifier=".cg").to(gl.float32)
             x = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32) * up
@@ -250,7 +260,8 @@ def _flow_product(ring, part_smem, stream_ptr, in_ptr, out_ptr, done_ptr, error_
 def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, error_ptr,
                        LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
                        R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
-                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr):
+                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr,
+                       POLL_LOAD: gl.constexpr):
     """The ring kernel without grid barriers: a counter per program (how many products it has
     finished) instead, and each product started on the part of its input that is ready. Its
     stream holds each product's chunks column block by column block (pack_streams with
@@ -279,16 +290,16 @@ def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, erro
         phase = layer * 4  # a product of phase p needs its producers' done >= p
         chunk = _flow_product(ring, part_smem, stream_ptr, x_ptr, qkv_ptr, done_ptr, error_ptr, phase, chunk,
                               total_chunks, pid * R_QKV, offsets, R_QKV, HIDDEN, R_O, False, INTER, STAGES, CHUNK,
-                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, POLL_LOAD, w_layout, poll_layout)
         chunk = _flow_product(ring, part_smem, stream_ptr, qkv_ptr, h_ptr, done_ptr, error_ptr, phase + 1, chunk,
                               total_chunks, pid * R_O, offsets, R_O, Q, R_QKV, False, INTER, STAGES, CHUNK,
-                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, POLL_LOAD, w_layout, poll_layout)
         chunk = _flow_product(ring, part_smem, stream_ptr, h_ptr, gu_ptr, done_ptr, error_ptr, phase + 2, chunk,
                               total_chunks, pid * R_GU, offsets, R_GU, HIDDEN, R_O, False, INTER, STAGES, CHUNK,
-                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, POLL_LOAD, w_layout, poll_layout)
         chunk = _flow_product(ring, part_smem, stream_ptr, gu_ptr, x_ptr, done_ptr, error_ptr, phase + 3, chunk,
                               total_chunks, pid * R_O, offsets, R_O, INTER, R_GU, True, INTER, STAGES, CHUNK,
-                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, w_layout, poll_layout)
+                              CHUNK_ROWS, CHUNK_COLS, MAX_SPINS, POLL_LOAD, w_layout, poll_layout)
     async_copy.wait_group(0)
 
 
@@ -333,14 +344,15 @@ def run_ring(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, programs: int
 
 
 def run_flow(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, done: torch.Tensor, programs: int,
-             stages: int, num_warps: int) -> torch.Tensor:
+             stages: int, num_warps: int, poll_load: bool = False) -> torch.Tensor:
     """The flow kernel; `stream` packed with columns_first, `done` one int32 per program."""
     chain.x.copy_(x0)
     done.zero_()
     _flow_chain_kernel[(programs,)](
         stream, chain.x, chain.qkv, chain.h, chain.gu, done, chain.errors,
         LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
-        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, POLL_LOAD=poll_load,
+        num_warps=num_warps)
     return chain.x
 
 
@@ -351,8 +363,9 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=128)
     parser.add_argument("--configs", default="4:4,8:4,16:4,24:4,8:8,16:8,24:8,8:4:nosync,24:4:nosync",
                         help="comma-separated STAGES:WARPS, with :nosync for the timing-only variant")
-    parser.add_argument("--flow-configs", default="8:4,16:4,24:4,8:8,24:8",
-                        help="comma-separated STAGES:WARPS of the flow kernel (a counter per program)")
+    parser.add_argument("--flow-configs", default="8:4,24:4,8:8,8:4:ld,24:4:ld,8:8:ld",
+                        help="comma-separated STAGES:WARPS of the flow kernel (a counter per program), "
+                             "with :ld for polling with plain acquire loads")
     args = parser.parse_args()
 
     from minivllm.bench.ceilings import copy_bandwidth_gbps, graph_us_per_call
@@ -376,9 +389,11 @@ def main() -> None:
         variants.append((f"ring STAGES={stages} warps={warps}" + ("" if sync else " no barriers (time only)"),
                          lambda c, s, x, st=int(stages), w=int(warps), sy=sync: run_ring(c, s, x, programs, st, w, sy)))
     for config in filter(None, args.flow_configs.split(",")):
-        stages, warps = (int(v) for v in config.split(":"))
-        variants.append((f"flow STAGES={stages} warps={warps}",
-                         lambda c, s, x, st=stages, w=warps: run_flow(c, by_columns[id(c)], x, done, programs, st, w)))
+        stages, warps, *rest = config.split(":")
+        ld = rest == ["ld"]
+        variants.append((f"flow STAGES={stages} warps={warps}" + (" ld polling" if ld else ""),
+                         lambda c, s, x, st=int(stages), w=int(warps), pl=ld:
+                         run_flow(c, by_columns[id(c)], x, done, programs, st, w, pl)))
     for name, fn in variants:
         row = {"name": name}
         try:
