@@ -377,6 +377,16 @@ def check(device: torch.device) -> None:
             print(f"{label} {name}: rel err {err:.2e}")
 
 
+def print_rows(title: str, rows: list[dict], floor_us: float, width: int) -> None:
+    """The timed variants as a table: µs, against the floor, the check's error and verdict."""
+    print(f"{title:{width}} {'µs':>7} {'x floor':>7} {'rel err':>8} ok")
+    for r in rows:
+        if "us" in r:
+            print(f"{r['name']:{width}} {r['us']:7.1f} {r['us'] / floor_us:7.2f} {r['rel_err']:8.1e} {r['ok']}")
+        else:
+            print(f"{r['name']:{width}} {r.get('error')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -465,12 +475,7 @@ def main() -> None:
             print(f"{phases} grid barriers alone, {polling} polling: {results[key + '_error']}")
     print("one barrier, µs, by programs taking part:", {p: round(v, 2) if isinstance(v, float) else v
                                                           for p, v in results["barriers_by_programs_us"].items()})
-    print(f"{f'chain of {phases} products':50} {'µs':>7} {'x floor':>7} {'rel err':>8} ok")
-    for r in results["rows"]:
-        if "us" in r:
-            print(f"{r['name']:50} {r['us']:7.1f} {r['us'] / results['floor_us']:7.2f} {r['rel_err']:8.1e} {r['ok']}")
-        else:
-            print(f"{r['name']:50} {r.get('error')}")
+    print_rows(f"chain of {phases} products", results["rows"], results["floor_us"], 50)
 
 
 if __name__ == "__main__":

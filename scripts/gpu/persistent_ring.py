@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "gpu"))
 sys.path.insert(0, os.getcwd())
-from persistent_chain import MAX_SPINS, TOLERANCE, Chain, rel_err  # noqa: E402
+from persistent_chain import MAX_SPINS, TOLERANCE, Chain, print_rows, rel_err  # noqa: E402
 
 CHUNK_ROWS, CHUNK_COLS = 8, 512  # one chunk: 8 KiB of bf16, two 16-byte copies a thread at 8 warps
 
@@ -130,31 +130,41 @@ def _product(ring, x_smem, stream_ptr, out_ptr, chunk, total_chunks, row0, offse
 
 
 @gluon.jit
-def _ring_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, counter_ptr, error_ptr,
-                       LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
-                       R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
-                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr,
-                       SYNC: gl.constexpr):
-    # One chunk: CHUNK_ROWS rows of CHUNK_COLS columns, 8 contiguous bf16 (16 bytes, one
-    # cp.async) a thread, a warp along the columns. The ring's slots are read back in the same
-    # layout they were copied in.
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
-    ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    x_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+def _open_ring(stream_ptr, LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
+               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
+               CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, w_layout: gl.constexpr):
+    """This program's stream, its ring of STAGES slots, and the first STAGES - 1 chunks asked for.
+    A chunk is CHUNK_ROWS rows of CHUNK_COLS columns in w_layout: 8 contiguous bf16 (16 bytes,
+    one cp.async) a thread, a warp along the columns; the slots are read back in that layout."""
     CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
     PER_LAYER: gl.constexpr = (R_QKV * HIDDEN + R_O * Q + R_GU * HIDDEN + R_O * INTER) // CHUNK
     total_chunks = LAYERS * PER_LAYER
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    stream_ptr += pid.to(gl.int64) * total_chunks * CHUNK
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, CHUNK_ROWS, CHUNK_COLS], ring_layout)
-    x_smem = gl.allocate_shared_memory(gl.float32, [INTER // CHUNK_COLS, CHUNK_COLS], x_smem_layout)
+    stream_ptr += gl.program_id(0).to(gl.int64) * total_chunks * CHUNK
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, CHUNK_ROWS, CHUNK_COLS],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     r = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, w_layout))
     c = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, w_layout))
     offsets = r[:, None] * CHUNK_COLS + c[None, :]
     for s in gl.static_range(STAGES - 1):
         _issue_chunk(ring, stream_ptr, s, total_chunks, offsets, STAGES, CHUNK)
+    return stream_ptr, ring, offsets, total_chunks
+
+
+@gluon.jit
+def _ring_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, counter_ptr, error_ptr,
+                       LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
+                       R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
+                       CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr,
+                       SYNC: gl.constexpr):
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    stream_ptr, ring, offsets, total_chunks = _open_ring(stream_ptr, LAYERS, HIDDEN, Q, INTER, R_QKV, R_O, R_GU,
+                                                         STAGES, CHUNK_ROWS, CHUNK_COLS, w_layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [INTER // CHUNK_COLS, CHUNK_COLS],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
     chunk = 0
     for layer in range(LAYERS):
         phase = layer * 4
@@ -271,20 +281,12 @@ def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, erro
     (down reads all of gate_up, qkv all of down, gate_up all of o)."""
     w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     poll_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    part_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
-    PER_LAYER: gl.constexpr = (R_QKV * HIDDEN + R_O * Q + R_GU * HIDDEN + R_O * INTER) // CHUNK
-    total_chunks = LAYERS * PER_LAYER
     pid = gl.program_id(0)
-    stream_ptr += pid.to(gl.int64) * total_chunks * CHUNK
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, CHUNK_ROWS, CHUNK_COLS], ring_layout)
-    part_smem = gl.allocate_shared_memory(gl.float32, [R_GU // CHUNK_ROWS, CHUNK_ROWS], part_layout)
-    r = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, w_layout))
-    c = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, w_layout))
-    offsets = r[:, None] * CHUNK_COLS + c[None, :]
-    for s in gl.static_range(STAGES - 1):
-        _issue_chunk(ring, stream_ptr, s, total_chunks, offsets, STAGES, CHUNK)
+    stream_ptr, ring, offsets, total_chunks = _open_ring(stream_ptr, LAYERS, HIDDEN, Q, INTER, R_QKV, R_O, R_GU,
+                                                         STAGES, CHUNK_ROWS, CHUNK_COLS, w_layout)
+    part_smem = gl.allocate_shared_memory(gl.float32, [R_GU // CHUNK_ROWS, CHUNK_ROWS],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
     chunk = 0
     for layer in range(LAYERS):
         phase = layer * 4  # a product of phase p needs its producers' done >= p
@@ -412,12 +414,7 @@ def main() -> None:
         json.dump(results, open(args.json, "w"), indent=1)
     print(f"\n{results['device']}, {programs} programs, copy {results['copy_GBps']:.0f} GB/s; "
           f"{results['weights_MB']:.0f} MB of weights, floor {results['floor_us']:.0f} µs")
-    print(f"{'chain of 112 products':40} {'µs':>7} {'x floor':>7} {'rel err':>8} ok")
-    for r in results["rows"]:
-        if "us" in r:
-            print(f"{r['name']:40} {r['us']:7.1f} {r['us'] / results['floor_us']:7.2f} {r['rel_err']:8.1e} {r['ok']}")
-        else:
-            print(f"{r['name']:40} {r.get('error')}")
+    print_rows("chain of 112 products", results["rows"], results["floor_us"], 45)
 
 
 if __name__ == "__main__":
