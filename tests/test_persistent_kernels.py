@@ -105,3 +105,20 @@ def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it(columns_firs
                 want = w[layer, rows].float() @ x
                 torch.testing.assert_close(got.flatten(), want, rtol=1e-4, atol=1e-4)  # float32 summation order
         assert chunk == stream.shape[1]  # the kernel's total_chunks: nothing left unread
+
+
+def test_persistent_ring_tagged_words_round_trip():
+    """The tagged kernel's vectors are 32-bit words [tag | bf16 bits]. The host writes x0 as
+    tag-0 words and reads the result back; negative values (sign bit set) and any tag must
+    come back unchanged, or the GPU check would compare against garbage."""
+    pr = _load("persistent_ring")
+    chain = pr.Chain(1, torch.device("cpu"), hidden=512, qkv=2048, q=1024, inter=1536)
+    vectors = pr.TaggedVectors(chain)
+    x0 = torch.tensor([-2.5, -0.0, 0.0, 1.0, 3.0e38, -1.0e-30] * 8, dtype=torch.bfloat16)
+    vectors.x = torch.zeros(len(x0), dtype=torch.int32)
+    vectors.start(x0)
+    assert (pr.TaggedVectors.tags(vectors.x) == 0).all()
+    for tag in (0, 1, 112):
+        words = vectors.x | (tag << 16)
+        assert (pr.TaggedVectors.tags(words) == tag).all()
+        assert torch.equal(pr.TaggedVectors.values(words).view(torch.int16), x0.view(torch.int16))

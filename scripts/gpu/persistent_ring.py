@@ -107,10 +107,25 @@ def _stage_input(x_ptr, x_smem, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.
 
 
 @gluon.jit
+def _tag(value, tag):
+    """A bf16 value and a phase tag in one 32-bit word: [tag (16 bits) | bf16 bits (16)]. One
+    aligned 32-bit store is seen whole or not at all, so a reader that sees the tag sees the value."""
+    bits = value.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return bits | (tag << 16)
+
+
+@gluon.jit
+def _untag(word):
+    return (word & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
 def _product(ring, x_smem, stream_ptr, out_ptr, chunk, total_chunks, row0, offsets,
              ROWS: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
-             CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, w_layout: gl.constexpr):
-    """out[row0 : row0 + ROWS] = W[rows] @ x, W's rows arriving through the ring in chunk order."""
+             CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, w_layout: gl.constexpr,
+             out_tag=-1, TAGGED: gl.constexpr = False):
+    """out[row0 : row0 + ROWS] = W[rows] @ x, W's rows arriving through the ring in chunk order
+    (TAGGED: out holds 32-bit words, each value stored with out_tag)."""
     out_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
     x_layout: gl.constexpr = gl.SliceLayout(0, w_layout)
     for rb in range(ROWS // CHUNK_ROWS):
@@ -125,7 +140,10 @@ def _product(ring, x_smem, stream_ptr, out_ptr, chunk, total_chunks, row0, offse
             acc += w.to(gl.float32) * x_smem.index(kb).load(x_layout)[None, :]
             chunk += 1
         rows = row0 + rb * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, layout=out_layout)
-        gl.store(out_ptr + rows, gl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
+        if TAGGED:
+            gl.store(out_ptr + rows, _tag(gl.sum(acc, axis=1), out_tag))
+        else:
+            gl.store(out_ptr + rows, gl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
     return chunk
 
 
@@ -306,6 +324,83 @@ def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, erro
 
 
 
+@gluon.jit
+def _all_tagged(word, tag):
+    return gl.min(((word >> 16) == tag).to(gl.int32), axis=0) == 1
+
+
+@gluon.jit
+def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.constexpr,
+                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, vec_layout: gl.constexpr):
+    """_stage_input for tagged words, with no barrier before it: each column block is read
+    (volatile: from L2, every time) until every word carries this phase's tag, that is, until
+    the programs that wrote it have stored this phase's values. The wait and the read are one
+    round trip."""
+    for kb in gl.static_range(K // CHUNK_COLS):
+        cols = kb * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
+        word = gl.load(words_ptr + cols, volatile=True)
+        if GATED:
+            up_word = gl.load(words_ptr + INTER + cols, volatile=True)
+            spins = 0
+            while (not (_all_tagged(word, tag) & _all_tagged(up_word, tag))) & (spins < MAX_SPINS):
+                word = gl.load(words_ptr + cols, volatile=True)
+                up_word = gl.load(words_ptr + INTER + cols, volatile=True)
+                spins += 1
+            if spins == MAX_SPINS:
+                gl.atomic_add(error_ptr, 1)
+            gate = _untag(word)
+            silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+            x_smem.index(kb).store(silu * _untag(up_word))
+        else:
+            spins = 0
+            while (not _all_tagged(word, tag)) & (spins < MAX_SPINS):
+                word = gl.load(words_ptr + cols, volatile=True)
+                spins += 1
+            if spins == MAX_SPINS:
+                gl.atomic_add(error_ptr, 1)
+            x_smem.index(kb).store(_untag(word))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _tagged_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, error_ptr,
+                         LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
+                         R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
+                         CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr):
+    """The ring kernel with no barriers and no counters: every vector between products is
+    stored as tagged words (_tag), and a product reads its input until the tags say it is this
+    phase's (the flag travels with the data, as in NCCL's low-latency protocol). Phase p's
+    output carries tag p + 1; x starts with tag 0, and the other vectors start zeroed, a tag
+    no phase after the first expects. As in the flow kernel, no program can overwrite a vector
+    that another still reads: each product reads the whole of its input, and a vector is
+    rewritten only after a product that needs every program's part of the one before."""
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
+    pid = gl.program_id(0)
+    stream_ptr, ring, offsets, total_chunks = _open_ring(stream_ptr, LAYERS, HIDDEN, Q, INTER, R_QKV, R_O, R_GU,
+                                                         STAGES, CHUNK_ROWS, CHUNK_COLS, w_layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [INTER // CHUNK_COLS, CHUNK_COLS],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    chunk = 0
+    for layer in range(LAYERS):
+        phase = layer * 4
+        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, qkv_ptr, chunk, total_chunks, pid * R_QKV, offsets,
+                         R_QKV, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 1, True)
+        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, h_ptr, chunk, total_chunks, pid * R_O, offsets,
+                         R_O, Q, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 2, True)
+        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, gu_ptr, chunk, total_chunks, pid * R_GU, offsets,
+                         R_GU, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 3, True)
+        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, vec_layout)
+        chunk = _product(ring, x_smem, stream_ptr, x_ptr, chunk, total_chunks, pid * R_O, offsets,
+                         R_O, INTER, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 4, True)
+    async_copy.wait_group(0)
+
+
+
 def pack_streams(chain: Chain, programs: int, columns_first: bool = False) -> torch.Tensor:
     """Every program's weights for the whole chain, in the order it uses them: [programs, chunks,
     CHUNK_ROWS, CHUNK_COLS]. Program p owns rows [p * R, (p + 1) * R) of each product; within a
@@ -358,6 +453,41 @@ def run_flow(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, done: torch.T
     return chain.x
 
 
+class TaggedVectors:
+    """The chain's vectors as tagged 32-bit words, for the tagged kernel."""
+
+    def __init__(self, chain: Chain) -> None:
+        def words(n):
+            return torch.zeros(n, device=chain.x.device, dtype=torch.int32)
+        self.x, self.qkv, self.h, self.gu = words(chain.HIDDEN), words(chain.QKV), words(chain.HIDDEN), words(2 * chain.INTER)
+
+    def start(self, x0: torch.Tensor) -> None:
+        """x0 with tag 0; the other vectors zeroed (tag 0), which no phase that reads them expects."""
+        self.x.copy_(x0.view(torch.int16).to(torch.int32) & 0xFFFF)
+        for v in (self.qkv, self.h, self.gu):
+            v.zero_()
+
+    @staticmethod
+    def values(words: torch.Tensor) -> torch.Tensor:
+        low = words & 0xFFFF
+        return torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16).view(torch.bfloat16)
+
+    @staticmethod
+    def tags(words: torch.Tensor) -> torch.Tensor:
+        return words >> 16
+
+
+def run_tagged(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, vectors: TaggedVectors, programs: int,
+               stages: int, num_warps: int) -> torch.Tensor:
+    """The tagged kernel; the result is x's values (its tags should all be 4 * layers)."""
+    vectors.start(x0)
+    _tagged_chain_kernel[(programs,)](
+        stream, vectors.x, vectors.qkv, vectors.h, vectors.gu, chain.errors,
+        LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+    return TaggedVectors.values(vectors.x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -365,6 +495,8 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=128)
     parser.add_argument("--configs", default="4:4,8:4,16:4,24:4,8:8,16:8,24:8,8:4:nosync,24:4:nosync",
                         help="comma-separated STAGES:WARPS, with :nosync for the timing-only variant")
+    parser.add_argument("--tagged-configs", default="8:4,24:4,8:8",
+                        help="comma-separated STAGES:WARPS of the tagged kernel (flags in the data)")
     parser.add_argument("--flow-configs", default="8:4,24:4,8:8,8:4:ld,24:4:ld,8:8:ld",
                         help="comma-separated STAGES:WARPS of the flow kernel (a counter per program), "
                              "with :ld for polling with plain acquire loads")
@@ -379,6 +511,7 @@ def main() -> None:
     stream, short_stream = pack_streams(chain, programs), pack_streams(short, programs)
     by_columns = {id(chain): pack_streams(chain, programs, True), id(short): pack_streams(short, programs, True)}
     done = torch.zeros(programs, device=device, dtype=torch.int32)
+    tagged = {id(chain): TaggedVectors(chain), id(short): TaggedVectors(short)}
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "programs": programs, "copy_GBps": copy_bandwidth_gbps(), "weights_MB": chain.nbytes / 1e6,
                "rows": []}
@@ -396,6 +529,10 @@ def main() -> None:
         variants.append((f"flow STAGES={stages} warps={warps}" + (" ld polling" if ld else ""),
                          lambda c, s, x, st=int(stages), w=int(warps), pl=ld:
                          run_flow(c, by_columns[id(c)], x, done, programs, st, w, pl)))
+    for config in filter(None, args.tagged_configs.split(",")):
+        stages, warps = (int(v) for v in config.split(":"))
+        variants.append((f"tagged STAGES={stages} warps={warps}",
+                         lambda c, s, x, st=stages, w=warps: run_tagged(c, s, x, tagged[id(c)], programs, st, w)))
     for name, fn in variants:
         row = {"name": name}
         try:
@@ -404,6 +541,9 @@ def main() -> None:
             row["rel_err"] = rel_err(fn(short, short_stream, short.x0), want)
             row["us"] = graph_us_per_call(lambda: fn(chain, stream, chain.x0), 1, args.replays)
             row["spin_timeouts"] = short.errors.item() + chain.errors.item()
+            if name.startswith("tagged"):  # every word of the result carries the last phase's tag
+                row["tags_ok"] = bool((TaggedVectors.tags(tagged[id(short)].x) == 4 * short.layers).all())
+                row["spin_timeouts"] += 0 if row["tags_ok"] else 1
             # The timing-only variant computes on stale inputs: its error is not a check.
             row["ok"] = (row["rel_err"] < TOLERANCE or "time only" in name) and row["spin_timeouts"] == 0
         except Exception as exc:  # a configuration that does not compile or fit is recorded, not fatal
