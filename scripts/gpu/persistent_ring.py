@@ -29,6 +29,11 @@ products it has finished, and a product starts on each 512-column block of its i
 as the programs that wrote that block are done, its partial row sums kept in shared memory.
 Its stream holds each product's chunks column block by column block.
 
+A third, the *tagged* kernel, has neither barriers nor counters: every vector between products
+is stored as 32-bit words holding a bf16 value and the tag of the phase that wrote it, and a
+product reads its input until every word carries its phase's tag, so that the wait and the
+read are one round trip (the flag travels with the data, as in NCCL's low-latency protocol).
+
 A timing-only variant (`:nosync` in `--configs`) drops the grid barriers: it shows what the
 stream and the products cost with no program waiting for another.
 
