@@ -335,8 +335,19 @@ def _all_tagged(word, tag):
 
 
 @gluon.jit
+def _back_off(spins, POLL_SLEEP_NS: gl.constexpr):
+    """Sleep POLL_SLEEP_NS between polls (0: none), so that waiting programs read L2 less often."""
+    if POLL_SLEEP_NS > 0:
+        return spins + gl.inline_asm_elementwise(f"nanosleep.u32 {POLL_SLEEP_NS}; mov.u32 $0, 1;", "=r", [],
+                                                 dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return spins + 1
+
+
+@gluon.jit
 def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.constexpr,
-                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, vec_layout: gl.constexpr):
+                  CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, POLL_SLEEP_NS: gl.constexpr,
+                  vec_layout: gl.constexpr):
     """_stage_input for tagged words, with no barrier before it: each column block is read
     (volatile: from L2, every time) until every word carries this phase's tag, that is, until
     the programs that wrote it have stored this phase's values. The wait and the read are one
@@ -348,9 +359,9 @@ def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.
             up_word = gl.load(words_ptr + INTER + cols, volatile=True)
             spins = 0
             while (not (_all_tagged(word, tag) & _all_tagged(up_word, tag))) & (spins < MAX_SPINS):
+                spins = _back_off(spins, POLL_SLEEP_NS)
                 word = gl.load(words_ptr + cols, volatile=True)
                 up_word = gl.load(words_ptr + INTER + cols, volatile=True)
-                spins += 1
             if spins == MAX_SPINS:
                 gl.atomic_add(error_ptr, 1)
             gate = _untag(word)
@@ -359,8 +370,8 @@ def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.
         else:
             spins = 0
             while (not _all_tagged(word, tag)) & (spins < MAX_SPINS):
+                spins = _back_off(spins, POLL_SLEEP_NS)
                 word = gl.load(words_ptr + cols, volatile=True)
-                spins += 1
             if spins == MAX_SPINS:
                 gl.atomic_add(error_ptr, 1)
             x_smem.index(kb).store(_untag(word))
@@ -371,7 +382,8 @@ def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.
 def _tagged_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, error_ptr,
                          LAYERS: gl.constexpr, HIDDEN: gl.constexpr, Q: gl.constexpr, INTER: gl.constexpr,
                          R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, STAGES: gl.constexpr,
-                         CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr):
+                         CHUNK_ROWS: gl.constexpr, CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr,
+                         POLL_SLEEP_NS: gl.constexpr):
     """The ring kernel with no barriers and no counters: every vector between products is
     stored as tagged words (_tag), and a product reads its input until the tags say it is this
     phase's (the flag travels with the data, as in NCCL's low-latency protocol). Phase p's
@@ -390,16 +402,16 @@ def _tagged_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, error_ptr,
     chunk = 0
     for layer in range(LAYERS):
         phase = layer * 4
-        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, qkv_ptr, chunk, total_chunks, pid * R_QKV, offsets,
                          R_QKV, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 1, True)
-        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, h_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, Q, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 2, True)
-        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, vec_layout)
+        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, gu_ptr, chunk, total_chunks, pid * R_GU, offsets,
                          R_GU, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 3, True)
-        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, vec_layout)
+        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, x_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, INTER, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 4, True)
     async_copy.wait_group(0)
@@ -483,13 +495,14 @@ class TaggedVectors:
 
 
 def run_tagged(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, vectors: TaggedVectors, programs: int,
-               stages: int, num_warps: int) -> torch.Tensor:
+               stages: int, num_warps: int, poll_sleep_ns: int = 0) -> torch.Tensor:
     """The tagged kernel; the result is x's values (its tags should all be 4 * layers)."""
     vectors.start(x0)
     _tagged_chain_kernel[(programs,)](
         stream, vectors.x, vectors.qkv, vectors.h, vectors.gu, chain.errors,
         LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
-        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, num_warps=num_warps)
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS,
+        POLL_SLEEP_NS=poll_sleep_ns, num_warps=num_warps)
     return TaggedVectors.values(vectors.x)
 
 
@@ -501,7 +514,8 @@ def main() -> None:
     parser.add_argument("--configs", default="4:4,8:4,16:4,24:4,8:8,16:8,24:8,8:4:nosync,24:4:nosync",
                         help="comma-separated STAGES:WARPS, with :nosync for the timing-only variant")
     parser.add_argument("--tagged-configs", default="8:4,24:4,8:8",
-                        help="comma-separated STAGES:WARPS of the tagged kernel (flags in the data)")
+                        help="comma-separated STAGES:WARPS[:SLEEP_NS] of the tagged kernel (flags in the data), "
+                             "with a sleep between polls")
     parser.add_argument("--flow-configs", default="8:4,24:4,8:8,8:4:ld,24:4:ld,8:8:ld",
                         help="comma-separated STAGES:WARPS of the flow kernel (a counter per program), "
                              "with :ld for polling with plain acquire loads")
@@ -535,9 +549,10 @@ def main() -> None:
                          lambda c, s, x, st=int(stages), w=int(warps), pl=ld:
                          run_flow(c, by_columns[id(c)], x, done, programs, st, w, pl)))
     for config in filter(None, args.tagged_configs.split(",")):
-        stages, warps = (int(v) for v in config.split(":"))
-        variants.append((f"tagged STAGES={stages} warps={warps}",
-                         lambda c, s, x, st=stages, w=warps: run_tagged(c, s, x, tagged[id(c)], programs, st, w)))
+        stages, warps, sleep_ns = (int(v) for v in (config + ":0").split(":")[:3])
+        variants.append((f"tagged STAGES={stages} warps={warps}" + (f" sleep {sleep_ns} ns" if sleep_ns else ""),
+                         lambda c, s, x, st=stages, w=warps, ns=sleep_ns:
+                         run_tagged(c, s, x, tagged[id(c)], programs, st, w, ns)))
     for name, fn in variants:
         row = {"name": name}
         try:
