@@ -330,11 +330,6 @@ def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, erro
 
 
 @gluon.jit
-def _all_tagged(word, tag):
-    return gl.min(((word >> 16) == tag).to(gl.int32), axis=0) == 1
-
-
-@gluon.jit
 def _back_off(spins, POLL_SLEEP_NS: gl.constexpr):
     """Sleep POLL_SLEEP_NS between polls (0: none), so that waiting programs read L2 less often."""
     if POLL_SLEEP_NS > 0:
@@ -345,36 +340,46 @@ def _back_off(spins, POLL_SLEEP_NS: gl.constexpr):
 
 
 @gluon.jit
+def _read_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS: gl.constexpr, POLL_SLEEP_NS: gl.constexpr):
+    """The words at offsets, read (volatile: from L2, every time) until every one carries this
+    phase's tag, that is, until the programs that wrote them have stored this phase's values.
+    All of them are requested at once, so the wait and the read are one round trip."""
+    word = gl.load(words_ptr + offsets, mask=mask, other=0, volatile=True)
+    spins = 0
+    while (gl.min(((word >> 16) == tag).to(gl.int32) | (~mask).to(gl.int32)) == 0) & (spins < MAX_SPINS):
+        spins = _back_off(spins, POLL_SLEEP_NS)
+        word = gl.load(words_ptr + offsets, mask=mask, other=0, volatile=True)
+    if spins == MAX_SPINS:
+        gl.atomic_add(error_ptr, 1)
+    return word
+
+
+@gluon.jit
 def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.constexpr,
                   CHUNK_COLS: gl.constexpr, MAX_SPINS: gl.constexpr, POLL_SLEEP_NS: gl.constexpr,
-                  vec_layout: gl.constexpr):
-    """_stage_input for tagged words, with no barrier before it: each column block is read
-    (volatile: from L2, every time) until every word carries this phase's tag, that is, until
-    the programs that wrote it have stored this phase's values. The wait and the read are one
-    round trip."""
-    for kb in gl.static_range(K // CHUNK_COLS):
-        cols = kb * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
-        word = gl.load(words_ptr + cols, volatile=True)
+                  block_layout: gl.constexpr, vec_layout: gl.constexpr):
+    """_stage_input for tagged words, with no barrier before it. First the whole input, as
+    [column blocks, CHUNK_COLS] (padded to a power of two), is read until every word is tagged:
+    its writers are done. Then each column block is read again into shared memory as float32,
+    all blocks at once. (Seen tagged once, a word keeps this phase's value until every program
+    has read it: see _tagged_chain_kernel.)"""
+    BLOCKS: gl.constexpr = K // CHUNK_COLS
+    PADDED: gl.constexpr = 1 << (BLOCKS - 1).bit_length()
+    kb = gl.arange(0, PADDED, layout=gl.SliceLayout(1, block_layout))
+    col = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, block_layout))
+    offsets = kb[:, None] * CHUNK_COLS + col[None, :]
+    mask = (kb < BLOCKS)[:, None] & (col >= 0)[None, :]
+    _read_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
+    if GATED:
+        _read_tagged(words_ptr + INTER, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
+    for b in gl.static_range(BLOCKS):
+        cols = b * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
         if GATED:
-            up_word = gl.load(words_ptr + INTER + cols, volatile=True)
-            spins = 0
-            while (not (_all_tagged(word, tag) & _all_tagged(up_word, tag))) & (spins < MAX_SPINS):
-                spins = _back_off(spins, POLL_SLEEP_NS)
-                word = gl.load(words_ptr + cols, volatile=True)
-                up_word = gl.load(words_ptr + INTER + cols, volatile=True)
-            if spins == MAX_SPINS:
-                gl.atomic_add(error_ptr, 1)
-            gate = _untag(word)
+            gate = _untag(gl.load(words_ptr + cols, volatile=True))
             silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-            x_smem.index(kb).store(silu * _untag(up_word))
+            x_smem.index(b).store(silu * _untag(gl.load(words_ptr + INTER + cols, volatile=True)))
         else:
-            spins = 0
-            while (not _all_tagged(word, tag)) & (spins < MAX_SPINS):
-                spins = _back_off(spins, POLL_SLEEP_NS)
-                word = gl.load(words_ptr + cols, volatile=True)
-            if spins == MAX_SPINS:
-                gl.atomic_add(error_ptr, 1)
-            x_smem.index(kb).store(_untag(word))
+            x_smem.index(b).store(_untag(gl.load(words_ptr + cols, volatile=True)))
     gl.thread_barrier()
 
 
@@ -392,26 +397,31 @@ def _tagged_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, error_ptr,
     that another still reads: each product reads the whole of its input, and a vector is
     rewritten only after a product that needs every program's part of the one before."""
     w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    block_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
     CHUNK: gl.constexpr = CHUNK_ROWS * CHUNK_COLS
     pid = gl.program_id(0)
     stream_ptr, ring, offsets, total_chunks = _open_ring(stream_ptr, LAYERS, HIDDEN, Q, INTER, R_QKV, R_O, R_GU,
                                                          STAGES, CHUNK_ROWS, CHUNK_COLS, w_layout)
+    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
     x_smem = gl.allocate_shared_memory(gl.float32, [INTER // CHUNK_COLS, CHUNK_COLS],
                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     chunk = 0
     for layer in range(LAYERS):
         phase = layer * 4
-        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
+        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
+                      vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, qkv_ptr, chunk, total_chunks, pid * R_QKV, offsets,
                          R_QKV, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 1, True)
-        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
+        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
+                      vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, h_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, Q, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 2, True)
-        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
+        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
+                      vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, gu_ptr, chunk, total_chunks, pid * R_GU, offsets,
                          R_GU, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 3, True)
-        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, vec_layout)
+        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
+                      vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, x_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, INTER, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 4, True)
     async_copy.wait_group(0)
