@@ -6,7 +6,7 @@ On the GPU each script checks every variant against float32 before timing it; he
 `--check` paths run one program (a grid barrier with one program passes at once), so the
 arithmetic, the phases and the paged attention are covered by every CI run.
 `scripts/gpu/persistent_ring.py` is Gluon, which the interpreter does not run: here only its
-weight stream's order is checked against the order its loop reads it.
+weight stream's order (against the order its loops read it) and its tagged words are checked.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def test_persistent_ring_stream_is_in_the_order_the_kernel_reads_it(columns_firs
     is checked against float32 before it is timed. What can be checked here is the contract
     between its host-side packing and its loop: walking each program's stream in the kernel's
     order (layers; qkv, o, gate_up, down; row blocks, then column blocks, or for the flow kernel
-    column blocks, then row blocks) and multiplying chunk by chunk must give every product's rows. A packing that swapped the row and column blocks, or
-    the programs, would give other rows, and the comparison fails."""
+    column blocks, then row blocks) and multiplying chunk by chunk must give every product's
+    rows. A packing that swapped the row and column blocks, or the programs, would give other
+    rows, and the comparison fails."""
     pr = _load("persistent_ring")
     chain = pr.Chain(2, torch.device("cpu"), hidden=512, qkv=2048, q=1024, inter=1536)
     programs = 4

@@ -94,20 +94,30 @@ def _grid_wait(counter_ptr, error_ptr, target, MAX_SPINS: gl.constexpr, SYNC: gl
 
 
 @gluon.jit
+def _load_input(ptr, cols, TAGGED: gl.constexpr):
+    """float32 values another program wrote: bf16 read from L2 (.cg, not this SM's L1), or for
+    the tagged kernel 32-bit tagged words read volatile (_untag)."""
+    if TAGGED:
+        return _untag(gl.load(ptr + cols, volatile=True))
+    else:
+        return gl.load(ptr + cols, cache_modifier=".cg").to(gl.float32)
+
+
+@gluon.jit
 def _stage_input(x_ptr, x_smem, K: gl.constexpr, INTER: gl.constexpr, GATED: gl.constexpr,
-                 CHUNK_COLS: gl.constexpr, vec_layout: gl.constexpr):
-    """The product's input, read from L2 (.cg: other programs wrote it) into shared memory as
-    float32, one row of CHUNK_COLS per column block. For down it is SiLU(gate) * up, the gate
-    rounded to bf16 as the engine's separate kernel stores it."""
+                 CHUNK_COLS: gl.constexpr, vec_layout: gl.constexpr, TAGGED: gl.constexpr = False):
+    """The product's input, read into shared memory as float32, one row of CHUNK_COLS per
+    column block, all blocks at once. For down it is SiLU(gate) * up, the gate rounded to bf16
+    as the engine's separate kernel stores it."""
     for kb in gl.static_range(K // CHUNK_COLS):
         cols = kb * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
         if GATED:
-            gate = gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32)
-            up = gl.load(x_ptr + INTER + cols, cache_modifier=".cg").to(gl.float32)
+            gate = _load_input(x_ptr, cols, TAGGED)
+            up = _load_input(x_ptr + INTER, cols, TAGGED)
             silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
             x_smem.index(kb).store(silu * up)
         else:
-            x_smem.index(kb).store(gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32))
+            x_smem.index(kb).store(_load_input(x_ptr, cols, TAGGED))
     gl.thread_barrier()
 
 
@@ -328,7 +338,6 @@ def _flow_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, done_ptr, erro
     async_copy.wait_group(0)
 
 
-
 @gluon.jit
 def _back_off(spins, POLL_SLEEP_NS: gl.constexpr):
     """Sleep POLL_SLEEP_NS between polls (0: none), so that waiting programs read L2 less often."""
@@ -340,10 +349,10 @@ def _back_off(spins, POLL_SLEEP_NS: gl.constexpr):
 
 
 @gluon.jit
-def _read_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS: gl.constexpr, POLL_SLEEP_NS: gl.constexpr):
-    """The words at offsets, read (volatile: from L2, every time) until every one carries this
-    phase's tag, that is, until the programs that wrote them have stored this phase's values.
-    All of them are requested at once, so the wait and the read are one round trip."""
+def _wait_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS: gl.constexpr, POLL_SLEEP_NS: gl.constexpr):
+    """Read the words at offsets (volatile: from L2, every time), all at once, until every one
+    carries this phase's tag, that is, until the programs that wrote them have stored this
+    phase's values."""
     word = gl.load(words_ptr + offsets, mask=mask, other=0, volatile=True)
     spins = 0
     while (gl.min(((word >> 16) == tag).to(gl.int32) | (~mask).to(gl.int32)) == 0) & (spins < MAX_SPINS):
@@ -351,7 +360,6 @@ def _read_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS: gl.constex
         word = gl.load(words_ptr + offsets, mask=mask, other=0, volatile=True)
     if spins == MAX_SPINS:
         gl.atomic_add(error_ptr, 1)
-    return word
 
 
 @gluon.jit
@@ -360,27 +368,18 @@ def _stage_tagged(words_ptr, x_smem, tag, error_ptr, K: gl.constexpr, INTER: gl.
                   block_layout: gl.constexpr, vec_layout: gl.constexpr):
     """_stage_input for tagged words, with no barrier before it. First the whole input, as
     [column blocks, CHUNK_COLS] (padded to a power of two), is read until every word is tagged:
-    its writers are done. Then each column block is read again into shared memory as float32,
-    all blocks at once. (Seen tagged once, a word keeps this phase's value until every program
-    has read it: see _tagged_chain_kernel.)"""
+    its writers are done. Then _stage_input reads it again. (Seen tagged once, a word keeps this
+    phase's value until every program has read it: see _tagged_chain_kernel.)"""
     BLOCKS: gl.constexpr = K // CHUNK_COLS
     PADDED: gl.constexpr = 1 << (BLOCKS - 1).bit_length()
     kb = gl.arange(0, PADDED, layout=gl.SliceLayout(1, block_layout))
     col = gl.arange(0, CHUNK_COLS, layout=gl.SliceLayout(0, block_layout))
     offsets = kb[:, None] * CHUNK_COLS + col[None, :]
     mask = (kb < BLOCKS)[:, None] & (col >= 0)[None, :]
-    _read_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
+    _wait_tagged(words_ptr, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
     if GATED:
-        _read_tagged(words_ptr + INTER, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
-    for b in gl.static_range(BLOCKS):
-        cols = b * CHUNK_COLS + gl.arange(0, CHUNK_COLS, layout=vec_layout)
-        if GATED:
-            gate = _untag(gl.load(words_ptr + cols, volatile=True))
-            silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-            x_smem.index(b).store(silu * _untag(gl.load(words_ptr + INTER + cols, volatile=True)))
-        else:
-            x_smem.index(b).store(_untag(gl.load(words_ptr + cols, volatile=True)))
-    gl.thread_barrier()
+        _wait_tagged(words_ptr + INTER, offsets, mask, tag, error_ptr, MAX_SPINS, POLL_SLEEP_NS)
+    _stage_input(words_ptr, x_smem, K, INTER, GATED, CHUNK_COLS, vec_layout, True)
 
 
 @gluon.jit
@@ -408,24 +407,23 @@ def _tagged_chain_kernel(stream_ptr, x_ptr, qkv_ptr, h_ptr, gu_ptr, error_ptr,
     chunk = 0
     for layer in range(LAYERS):
         phase = layer * 4
-        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
-                      vec_layout)
+        _stage_tagged(x_ptr, x_smem, phase, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS,
+                      POLL_SLEEP_NS, block_layout, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, qkv_ptr, chunk, total_chunks, pid * R_QKV, offsets,
                          R_QKV, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 1, True)
-        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
-                      vec_layout)
+        _stage_tagged(qkv_ptr, x_smem, phase + 1, error_ptr, Q, INTER, False, CHUNK_COLS, MAX_SPINS,
+                      POLL_SLEEP_NS, block_layout, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, h_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, Q, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 2, True)
-        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
-                      vec_layout)
+        _stage_tagged(h_ptr, x_smem, phase + 2, error_ptr, HIDDEN, INTER, False, CHUNK_COLS, MAX_SPINS,
+                      POLL_SLEEP_NS, block_layout, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, gu_ptr, chunk, total_chunks, pid * R_GU, offsets,
                          R_GU, HIDDEN, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 3, True)
-        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS, POLL_SLEEP_NS, block_layout,
-                      vec_layout)
+        _stage_tagged(gu_ptr, x_smem, phase + 3, error_ptr, INTER, INTER, True, CHUNK_COLS, MAX_SPINS,
+                      POLL_SLEEP_NS, block_layout, vec_layout)
         chunk = _product(ring, x_smem, stream_ptr, x_ptr, chunk, total_chunks, pid * R_O, offsets,
                          R_O, INTER, STAGES, CHUNK, CHUNK_ROWS, CHUNK_COLS, w_layout, phase + 4, True)
     async_copy.wait_group(0)
-
 
 
 def pack_streams(chain: Chain, programs: int, columns_first: bool = False) -> torch.Tensor:
@@ -463,7 +461,8 @@ def run_ring(chain: Chain, stream: torch.Tensor, x0: torch.Tensor, programs: int
     _ring_chain_kernel[(programs,)](
         stream, chain.x, chain.qkv, chain.h, chain.gu, chain.counter, chain.errors,
         LAYERS=chain.layers, HIDDEN=chain.HIDDEN, Q=chain.Q, INTER=chain.INTER, **ring_tiles(chain, programs),
-        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, SYNC=sync, num_warps=num_warps)
+        STAGES=stages, CHUNK_ROWS=CHUNK_ROWS, CHUNK_COLS=CHUNK_COLS, MAX_SPINS=MAX_SPINS, SYNC=sync,
+        num_warps=num_warps)
     return chain.x
 
 
@@ -486,7 +485,8 @@ class TaggedVectors:
     def __init__(self, chain: Chain) -> None:
         def words(n):
             return torch.zeros(n, device=chain.x.device, dtype=torch.int32)
-        self.x, self.qkv, self.h, self.gu = words(chain.HIDDEN), words(chain.QKV), words(chain.HIDDEN), words(2 * chain.INTER)
+        self.x, self.qkv = words(chain.HIDDEN), words(chain.QKV)
+        self.h, self.gu = words(chain.HIDDEN), words(2 * chain.INTER)
 
     def start(self, x0: torch.Tensor) -> None:
         """x0 with tag 0; the other vectors zeroed (tag 0), which no phase that reads them expects."""
