@@ -261,8 +261,8 @@ def test_padded_decode_batches_give_the_same_tokens(tiny_qwen3):
 
     llm = LLM(str(folder), **common)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    runner.cuda_graphs = EagerPaddedRunner(runner.forward, [2, 8], runner._graph_metadata, runner.input_ids.gpu,
-                                           runner.positions.gpu)
+    runner.cuda_graphs = EagerPaddedRunner(runner.forward, [2, 8], runner._graph_metadata, runner.input_ids,
+                                           runner.positions)
     runner.cuda_graphs.capture()
     assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding rows must not change any request's tokens"
     assert 8 in EagerPaddedRunner.replays, "5 decodes should have run padded to 8"
@@ -314,8 +314,8 @@ def test_padded_piecewise_steps_give_the_same_tokens(tiny_qwen3):
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
     attn_output = torch.full((64, layer.num_heads * layer.head_dim), float("nan"))  # rows never written stay NaN
-    runner.piecewise_graphs = EagerPaddedPieces(runner.forward, [16, 64], runner.input_ids.gpu, runner.positions.gpu,
-                                                runner.slot_mapping.gpu, attn_output, None)
+    runner.piecewise_graphs = EagerPaddedPieces(runner.forward, [16, 64], runner.input_ids, runner.positions,
+                                                runner.slot_mapping, attn_output, None)
     assert greedy_tokens(llm, prompts, max_tokens=6) == expected, "padding tokens must not change any request's tokens"
     assert (64, 48) in EagerPaddedPieces.replays, "48-token chunked steps should have run padded to 64"
     assert (16, 5) in EagerPaddedPieces.replays, "5 decodes should have run padded to 16"

@@ -57,7 +57,8 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                             "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
-                            "skinny_gemm", "gumbel_sample"}
+                            "skinny_gemm", "gumbel_sample", "argmax_sample",
+                            "unpack_step_inputs"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
 
@@ -367,6 +368,84 @@ def test_gumbel_sample_picks_the_reference_token(num_rows, vocab_size, dtype, se
     assert out.dtype == torch.int64 and out.shape == (num_rows,)
     assert torch.equal(out[decided], ref[decided]), f"kernel {out.tolist()} vs reference {ref.tolist()}"
     assert torch.equal(out[temperature == 0], logits.float().argmax(-1)[temperature == 0]), "greedy rows take the argmax"
+
+
+@settings(max_examples=4 if not CUDA else 30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(num_rows=st.integers(1, 4), vocab_size=st.integers(2, 7000), dtype=st.sampled_from(DTYPES + [torch.float32]),
+       seed=st.integers(0, 2**16), num_splits=st.sampled_from([None, 1, 3]), data=st.data())
+def test_argmax_sample_is_the_argmax_with_the_lowest_token_among_ties(num_rows, vocab_size, dtype, seed, num_splits,
+                                                                       data):
+    """The greedy batch's kernel (the Gumbel kernel with its noise off): each row's argmax,
+    however the row is split; a tie between two tokens goes to the lower one, as torch.argmax
+    does, and a masked (-inf) token never wins."""
+    kernel, reference = KERNELS["argmax_sample"]
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab_size + 5, generator=g).to(dtype)[:, :vocab_size]  # a row stride > V
+    if vocab_size > 2:
+        if vocab_size > 512:  # 512 apart: the same lane of the kernel, which must keep the first
+            low = data.draw(st.integers(0, vocab_size - 513))
+            high = low + 512
+        else:
+            low, high = sorted(data.draw(st.lists(st.integers(0, vocab_size - 1), min_size=2, max_size=2, unique=True)))
+        logits[0, low] = logits[0, high] = 40.0  # a tie for the top: the lower token
+        masked = data.draw(st.integers(0, vocab_size - 1).filter(lambda t: num_rows > 1 or t not in (low, high)))
+        logits[-1, masked] = float("-inf")
+    logits = logits.to(DEVICE)
+    out, ref = kernel(logits, num_splits=num_splits), reference(logits)
+    assert out.dtype == torch.int64 and torch.equal(out, ref), f"kernel {out.tolist()} vs argmax {ref.tolist()}"
+    if vocab_size > 2:
+        assert out[0].item() == low
+
+
+@FAST
+@given(num_tokens=st.integers(1, 1500), num_reqs=st.integers(1, 6), width=st.integers(1, 5),
+       gather_logits=st.booleans(), seed=st.integers(0, 2**16))
+def test_unpack_step_inputs_writes_every_array_where_the_model_reads_it(num_tokens, num_reqs, width, gather_logits,
+                                                                       seed):
+    """One packed buffer (as the model runner stages a step) into the seven device buffers:
+    each array in place, int32 widened to int64 where the buffer is, block-table rows at the
+    buffer's stride and only `width` columns wide (the others keep what they held), and a
+    token id -(r + 1) replaced by row r of the last step's sampled tokens. Every buffer starts
+    full of -7, so a write to a wrong place, or a missing one, shows."""
+    from minivllm.executor.step_inputs import (BLOCK_TABLES, HEADER_WORDS, INPUT_IDS, LOGITS_INDICES, POSITIONS,
+                                               QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, StepInputStager)
+
+    kernel, reference = KERNELS["unpack_step_inputs"]
+    g = torch.Generator().manual_seed(seed)
+    stage = StepInputStager(HEADER_WORDS + 3 * 1500 + 3 * 8 + 8 * 6, torch.device("cpu"))  # the host side only
+    stage.start()
+    ids = stage.take(INPUT_IDS, num_tokens)
+    ids[:] = torch.randint(0, 50_000, (num_tokens,), generator=g).numpy()
+    pending = torch.randperm(num_tokens, generator=g)[: min(num_tokens, num_reqs)]
+    sampled_rows = torch.randint(0, 6, (len(pending),), generator=g)
+    ids[pending.numpy()] = -(sampled_rows.numpy() + 1)
+    stage.take(POSITIONS, num_tokens)[:] = torch.randint(0, 4096, (num_tokens,), generator=g).numpy()
+    stage.take(SLOT_MAPPING, num_tokens)[:] = torch.randint(-1, 10_000, (num_tokens,), generator=g).numpy()
+    stage.take(QUERY_START_LOC, num_reqs + 1)[:] = torch.arange(num_reqs + 1).numpy() * 3
+    stage.take(SEQ_LENS, num_reqs)[:] = torch.randint(1, 80, (num_reqs,), generator=g).numpy()
+    table = torch.randint(0, 900, (num_reqs, width), generator=g)
+    stage.take_rows(BLOCK_TABLES, num_reqs, width)[:] = table.numpy()
+    if gather_logits:
+        stage.take(LOGITS_INDICES, num_reqs)[:] = torch.randint(0, num_tokens, (num_reqs,), generator=g).numpy()
+    staged = stage.host[: stage.end].to(DEVICE)
+    last_sampled = torch.randint(0, 50_000, (6,), generator=g).to(DEVICE)
+
+    def buffers():
+        long, int32 = dict(dtype=torch.long, device=DEVICE), dict(dtype=torch.int32, device=DEVICE)
+        return (torch.full((1600,), -7, **long), torch.full((1600,), -7, **long), torch.full((1600,), -7, **long),
+                torch.full((9,), -7, **int32), torch.full((8,), -7, **int32), torch.full((8, 7), -7, **int32),
+                torch.full((8,), -7, **long))
+
+    got, want = buffers(), buffers()
+    kernel(staged, stage.max_length, *got, last_sampled)
+    reference(staged.clone(), stage.max_length, *want, last_sampled)
+    for name, a, b in zip(("input_ids", "positions", "slots", "qsl", "seq_lens", "block_tables", "logits"), got, want):
+        assert torch.equal(a, b), name
+    expected_ids = torch.from_numpy(ids.astype("int64")).to(DEVICE)
+    expected_ids[pending.to(DEVICE)] = last_sampled[sampled_rows.to(DEVICE)]
+    assert torch.equal(got[0][:num_tokens], expected_ids), "pending ids take the last step's sampled tokens"
+    assert torch.equal(got[5][:num_reqs, :width].cpu(), table.int()) and (got[5][:, width:] == -7).all()
+    assert (got[0][num_tokens:] == -7).all() and (got[6] == -7).all() != gather_logits
 
 
 def test_gumbel_uniforms_are_uniform_and_fresh_for_every_token_and_seed():

@@ -321,8 +321,9 @@ def test_metadata_leaves_unused_knobs_out():
 
 
 def test_one_pass_sampling_takes_only_the_batches_it_computes_exactly():
-    """The Gumbel-max kernel replaces temperature + softmax + the draw, nothing else: a batch
-    that asks for more (or has no random row, or a seeded one) keeps the PyTorch path."""
+    """The Gumbel-max kernel replaces temperature + softmax + the draw (or, for an all-greedy
+    batch, the argmax), nothing else: a batch that asks for more (or a seeded one) keeps the
+    PyTorch path."""
     from types import SimpleNamespace
 
     from minivllm.sample.sampler import one_pass_sampling_applies
@@ -331,7 +332,7 @@ def test_one_pass_sampling_takes_only_the_batches_it_computes_exactly():
     plain, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
     assert one_pass_sampling_applies(on_gpu, metadata([plain, greedy])), "temperature only: one pass"
     assert not one_pass_sampling_applies(torch.zeros(2, 4), metadata([plain, greedy])), "CPU logits"
-    assert not one_pass_sampling_applies(on_gpu, metadata([greedy, greedy])), "all greedy: one argmax already"
+    assert one_pass_sampling_applies(on_gpu, metadata([greedy, greedy])), "all greedy: the kernel's argmax"
     for knob in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5),
                  dict(repetition_penalty=1.2), dict(min_tokens=3, stop_token_ids=[1])):
         meta = metadata([plain, SamplingParams(temperature=0.7, **knob)])
@@ -365,7 +366,17 @@ def test_the_engine_draws_temperature_only_batches_in_one_pass_and_repeatably(tm
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     first, again, other = draws(0), draws(0), draws(1)
+    # A greedy batch takes the same kernel without noise: the tokens of the PyTorch argmax.
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 3]}]
+    by_kernel = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    import minivllm.sample.sampler as sampler
+
+    monkeypatch.setattr(sampler, "one_pass_sampling_applies", lambda logits, metadata: False)
+    by_torch = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     llm.llm_engine.engine_core.shutdown()
+    assert "argmax_sample" in calls, "an all-greedy batch on the GPU must use the kernel's argmax"
+    assert by_kernel == by_torch, "the kernel's argmax must pick the PyTorch argmax's tokens"
     assert "gumbel_sample" in calls, "a temperature-only batch on the GPU must use the one-pass kernel"
     assert first == again, "the same torch seed must repeat the draws"
     assert first != other, "another seed must change them"

@@ -21,7 +21,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32; only the columns of each context are read
     num_decodes: int  # the first num_decodes requests have exactly one query token
     max_query_len: int
     max_seq_len: int

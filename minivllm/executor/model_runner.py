@@ -4,10 +4,11 @@ It keeps every running request in a persistent batch (`InputBatch`: one row of p
 host tensors per request) and applies only the scheduler's diffs to it each step. Preparing a
 step lays the scheduled tokens of all requests end to end, decode requests first: `input_ids`
 and `positions` for the model, and for attention the `slot_mapping` (where each new token's
-K/V go), the block tables and the query/sequence lengths. They are written into pinned host
-buffers and copied without blocking into device buffers that never move — which is also what
-lets a step replay CUDA graphs captured over those same buffers (`cuda_graphs.py`: whole
-graphs for decode-only steps, pieces between attention calls for the others).
+K/V go), the block tables and the query/sequence lengths. They are written end to end into
+one pinned host buffer, copied without blocking in one copy, and unpacked by one kernel into
+device buffers that never move (`step_inputs.py`) — which is also what lets a step replay
+CUDA graphs captured over those same buffers (`cuda_graphs.py`: whole graphs for decode-only
+steps, pieces between attention calls for the others).
 Only the rows that finish a prompt or decode are turned into logits and sampled.
 Chapter 05 (executor & worker) explains it; chapter 04 draws the slot mapping.
 """
@@ -31,6 +32,18 @@ from minivllm.executor.cuda_graphs import (
     piecewise_capture_sizes,
 )
 from minivllm.executor.gpu_input_batch import CachedRequestState, InputBatch, flatten_batch
+from minivllm.executor.step_inputs import (
+    BLOCK_TABLES,
+    HEADER_WORDS,
+    INPUT_IDS,
+    INT32_MAX,
+    LOGITS_INDICES,
+    POSITIONS,
+    QUERY_START_LOC,
+    SEQ_LENS,
+    SLOT_MAPPING,
+    StepInputStager,
+)
 from minivllm.forward_context import set_forward_context
 from minivllm.models.layers.attention import Attention
 from minivllm.models.loader import get_model
@@ -88,7 +101,9 @@ class StepInputs:
     num_tokens: int
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # indices into req_ids of the requests sampled this step
-    logits_indices: torch.Tensor  # [len(sample_rows)]: the token whose hidden state is sampled
+    # [len(sample_rows)]: the token whose hidden state is sampled; None for the first
+    # len(sample_rows) rows in order (a step of decodes), which need no gather
+    logits_indices: torch.Tensor | None
     graph_size: int | None  # a captured decode size to replay, or None
     piecewise_size: int | None  # else a token count whose pieces to replay, or None to run eagerly
 
@@ -100,22 +115,6 @@ class SampledOnDevice:
     step_id: int
     token_ids: torch.Tensor  # [number of sampled requests], on the device
     index: dict[str, int]  # request id -> its row of token_ids
-
-
-class _StepBuffers:
-    """A pinned host buffer and a device buffer of the same shape, for one kind of input."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-        self.np = self.cpu.numpy()
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
-
-    def copy_to_device(self, n: int) -> torch.Tensor:
-        # Non-blocking from pinned memory: the copy overlaps the host's work on the rest of
-        # the step. The host must not rewrite `cpu` before the copy is done: the runner waits
-        # for that (`inputs_copied`) before it prepares the next step.
-        self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
 
 
 class ModelRunner:
@@ -130,16 +129,18 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request, with or without a row
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, device.type == "cuda")
         max_tokens = max(sched.max_num_batched_tokens, self.max_num_reqs)
-        self.input_ids = _StepBuffers((max_tokens,), torch.long, device)
-        self.positions = _StepBuffers((max_tokens,), torch.long, device)
-        self.slot_mapping = _StepBuffers((max_tokens,), torch.long, device)
-        self.query_start_loc = _StepBuffers((self.max_num_reqs + 1,), torch.int32, device)
-        self.seq_lens = _StepBuffers((self.max_num_reqs,), torch.int32, device)
-        self.block_tables = _StepBuffers((self.max_num_reqs, max_blocks_per_req), torch.int32, device)
-        self.logits_indices = _StepBuffers((self.max_num_reqs,), torch.long, device)
-        # Async scheduling: which input tokens come from the last step's sampled tokens.
-        self.pending_dst = _StepBuffers((self.max_num_reqs,), torch.long, device)
-        self.pending_src = _StepBuffers((self.max_num_reqs,), torch.long, device)
+        # The step's inputs on the device, in buffers that never move (the CUDA graphs read
+        # them); each step writes them through one copy of `staging` (step_inputs.py).
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.logits_indices = torch.zeros(self.max_num_reqs, dtype=torch.long, device=device)
+        self.staging = StepInputStager(
+            HEADER_WORDS + 3 * max_tokens + 3 * self.max_num_reqs + 1 + self.max_num_reqs * max_blocks_per_req, device
+        )
         self.sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(2)]
         self.last_sampled: SampledOnDevice | None = None
         self.last_sampling_metadata: tuple[list[str], SamplingMetadata] | None = None
@@ -201,6 +202,8 @@ class ModelRunner:
         """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
         mc = self.config.model_config
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if num_blocks * self.block_size > INT32_MAX:  # slots travel as int32 (step_inputs.py)
+            raise ValueError(f"{num_blocks} KV blocks of {self.block_size} slots exceed the int32 slot ids")
         shape = (2, num_blocks, self.block_size, layers[0].num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in layers]
         for layer, kv_cache in zip(layers, self.kv_caches):
@@ -220,8 +223,9 @@ class ModelRunner:
         the one piecewise graphs use; then the decode kernel is compiled for each split-tile
         size its in-kernel merge can use; decode steps of 1, 2 and 4 requests compile the
         skinny GEMM's variants (with the RMSNorm or the SiLU-and-mul inside, and the first
-        layer's norm, which has no residual to add); last the one-pass sampler for the
-        model's logits. Nothing is written: every slot is -1.
+        layer's norm, which has no residual to add); then the one-pass sampler (with and
+        without noise) for the model's logits, and the kernel that unpacks a step's inputs.
+        Nothing is written into the cache: every slot is -1.
         """
         if self.device.type != "cuda" or self.config.attention_backend != "triton" or not self.kv_caches:
             return
@@ -234,12 +238,18 @@ class ModelRunner:
         self._warm_up_decode_merge()
         for num_decodes in (1, 2, 4):  # 3 tokens use 4's variants (a power-of-two row tile)
             self._warm_up_step([1] * num_decodes, [17] * num_decodes)
-        from minivllm.kernels import gumbel_sample
+        from minivllm.kernels import argmax_sample, gumbel_sample
 
         hidden_size = self.config.model_config.hf_config.hidden_size
         logits = self.model.compute_logits(torch.zeros(1, hidden_size, dtype=self.config.model_config.dtype, device=self.device))
         for num_splits in (1, 2):  # a whole row per program, and split rows with their merge
             gumbel_sample(logits, torch.ones(1, device=self.device), 0, num_splits=num_splits)
+            argmax_sample(logits, num_splits=num_splits)
+        # The step-input kernel: compiled for this engine's buffers by a first copy.
+        self.staging.start()
+        self.staging.take(INPUT_IDS, 1)[:] = 0
+        self.staging.upload((self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
+                             self.block_tables, self.logits_indices), None)
         torch.cuda.synchronize(self.device)
 
     def _warm_up_step(self, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
@@ -255,7 +265,7 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
             query_start_loc=torch.tensor(query_start_loc, **int32),
             seq_lens=torch.tensor(seq_lens, **int32),
-            block_tables=torch.zeros(len(seq_lens), self.block_tables.gpu.shape[1], **int32),
+            block_tables=torch.zeros(len(seq_lens), self.block_tables.shape[1], **int32),
             num_decodes=sum(1 for query_len in query_lens if query_len == 1),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
@@ -271,7 +281,7 @@ class ModelRunner:
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
         query = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=layer.kv_cache.dtype, device=self.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
-        block_tables = torch.zeros(1, self.block_tables.gpu.shape[1], dtype=torch.int32, device=self.device)
+        block_tables = torch.zeros(1, self.block_tables.shape[1], dtype=torch.int32, device=self.device)
         block_n, _, _ = kernels.decode_config(layer.head_dim)  # the launcher's default tile
         # The most splits a step can use: one sequence of max_model_len tokens.
         most_splits = kernels.decode_num_splits(1, layer.num_kv_heads, self.max_model_len, self.device, block_n)
@@ -298,35 +308,35 @@ class ModelRunner:
             return
         pool = torch.cuda.graph_pool_handle()  # one pool: no two graphs ever run at once
         if cc.piecewise_graphs:
-            sizes = piecewise_capture_sizes(self.input_ids.gpu.shape[0], cc.piecewise_cuda_graph_sizes)
+            sizes = piecewise_capture_sizes(self.input_ids.shape[0], cc.piecewise_cuda_graph_sizes)
             if sizes:
                 layer = next(m for m in self.model.modules() if isinstance(m, Attention))
                 attn_output = torch.zeros(
                     sizes[-1], layer.num_heads * layer.head_dim, dtype=self.config.model_config.dtype, device=self.device
                 )
                 self.piecewise_graphs = PiecewiseCudaGraphRunner(
-                    self.forward, sizes, self.input_ids.gpu, self.positions.gpu, self.slot_mapping.gpu, attn_output, pool
+                    self.forward, sizes, self.input_ids, self.positions, self.slot_mapping, attn_output, pool
                 )
                 self.piecewise_graphs.capture()
         if cc.full_decode_graphs:
             sizes = cuda_graph_capture_sizes(self.max_num_reqs, cc.cuda_graph_sizes)
             self.cuda_graphs = CudaGraphRunner(
-                self.forward, sizes, self._graph_metadata, self.input_ids.gpu, self.positions.gpu, pool
+                self.forward, sizes, self._graph_metadata, self.input_ids, self.positions, pool
             )
             self.cuda_graphs.capture()
     # --8<-- [end:capture-cuda-graphs]
 
     def _graph_metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the device buffers for a captured batch of `size` requests."""
-        self.slot_mapping.gpu[:size].fill_(-1)  # capture writes nothing into the cache
-        self.seq_lens.gpu[:size].fill_(1)
-        self.query_start_loc.gpu[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        self.slot_mapping[:size].fill_(-1)  # capture writes nothing into the cache
+        self.seq_lens[:size].fill_(1)
+        self.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
         return AttentionMetadata(
             num_actual_tokens=size,
-            slot_mapping=self.slot_mapping.gpu[:size],
-            query_start_loc=self.query_start_loc.gpu[: size + 1],
-            seq_lens=self.seq_lens.gpu[:size],
-            block_tables=self.block_tables.gpu[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
             num_decodes=size,
             max_query_len=1,
             # A host-side bound every replay must respect: no sequence is longer than this.
@@ -361,12 +371,16 @@ class ModelRunner:
             hidden_states = self.piecewise_graphs.replay(step.piecewise_size, step.attn_metadata)
         else:
             with set_forward_context(step.attn_metadata):
-                hidden_states = self.forward(self.input_ids.gpu[: step.num_tokens], self.positions.gpu[: step.num_tokens])
+                hidden_states = self.forward(self.input_ids[: step.num_tokens], self.positions[: step.num_tokens])
         if not step.sample_rows:
             return AsyncModelRunnerOutput(lambda: ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]))
         # In the model's dtype: the sampler upcasts where it computes (the one-pass kernel in
         # its registers, saving a float32 copy of [B, V]).
-        logits = self.model.compute_logits(hidden_states[step.logits_indices])
+        if step.logits_indices is None:
+            sampled_hidden = hidden_states[: len(step.sample_rows)]
+        else:
+            sampled_hidden = hidden_states[step.logits_indices]
+        logits = self.model.compute_logits(sampled_hidden)
         sampled_req_ids = [step.req_ids[i] for i in step.sample_rows]
         sampling_metadata = self._sampling_metadata(sampled_req_ids)
         # Structured output (chapter 11): tokens a request's grammar forbids get logit -inf.
@@ -464,7 +478,7 @@ class ModelRunner:
     # --8<-- [start:prepare-inputs]
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         if self.inputs_copied is not None:
-            self.inputs_copied.synchronize()
+            self.inputs_copied.synchronize()  # the last step's copy has read the pinned buffer
         batch = self.input_batch
         # Decodes (one token) first: the attention backends handle them as one group.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
@@ -473,86 +487,89 @@ class ModelRunner:
         num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=num_reqs)
         num_tokens = int(num_scheduled.sum())
         num_computed = batch.num_computed_tokens[rows]
-        block_table = self.block_tables.np[:num_reqs]
-        np.take(batch.block_table_np, rows, axis=0, out=block_table)
-        req_indices, positions, slot_mapping = flatten_batch(num_computed, num_scheduled, block_table, self.block_size)
-
-        self.input_ids.np[:num_tokens] = batch.token_ids_np[rows[req_indices], positions]
-        self.positions.np[:num_tokens] = positions
-        self.slot_mapping.np[:num_tokens] = slot_mapping
         seq_lens = num_computed + num_scheduled
-        self.seq_lens.np[:num_reqs] = seq_lens
-        self.query_start_loc.np[0] = 0
-        np.cumsum(num_scheduled, out=self.query_start_loc.np[1 : num_reqs + 1])
-        batch.num_computed_tokens[rows] = seq_lens
-        # Caught up with every known token: sample the next one.
-        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
-        logits_indices = self.query_start_loc.np[sample_rows + 1] - 1
-
         num_decodes = int((num_scheduled == 1).sum())
-        # Async scheduling: decodes whose input token the previous step is still sampling.
-        # (With no step in flight, every input is on the host: nothing to look for.)
-        pending = pending_src = ()
-        if self.last_sampled is not None:
-            pending, pending_src = inputs_from_last_step(
-                positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes],
-                self.last_sampled.index,
-            )
         graph_size = piecewise_size = None
         if self.cuda_graphs is not None and num_decodes == num_reqs:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
         if graph_size is None and self.piecewise_graphs is not None:
             piecewise_size = self.piecewise_graphs.padded_size(num_tokens)
-        n = num_tokens
-        if piecewise_size is not None:
-            # Padded tokens run through the pieces (token 0 at position 0), their K/V go
-            # nowhere (slot -1), and attention is told only of the real tokens
-            # (num_actual_tokens below); their rows are dropped.
-            self.input_ids.np[n:piecewise_size] = 0
-            self.positions.np[n:piecewise_size] = 0
-            self.slot_mapping.np[n:piecewise_size] = -1
-        if graph_size is not None:
-            # Padded rows: a write-nothing slot, a one-token context in block 0, one query token.
-            self.input_ids.np[n:graph_size] = 0
-            self.positions.np[n:graph_size] = 0
-            self.slot_mapping.np[n:graph_size] = -1
-            self.seq_lens.np[num_reqs:graph_size] = 1
-            self.block_tables.np[num_reqs:graph_size] = 0
-            self.query_start_loc.np[: graph_size + 1] = np.arange(graph_size + 1)
-            n = num_reqs = graph_size
-        # The rows the model runs: a full graph's batch (n, padded above), or the pieces' token
-        # count, of which attention sees only the real n.
-        padded_tokens = piecewise_size or n
-        query_start_loc_cpu = self.query_start_loc.np[: len(req_ids) + 1].tolist()
+        # A full graph runs graph_size one-token requests: the padded ones write nothing (slot
+        # -1) and attend to a one-token context in block 0. The pieces run piecewise_size
+        # tokens (the padding is token 0 at position 0, slot -1), of which attention is told
+        # only of the real ones (num_actual_tokens below); the padded rows are dropped.
+        padded_reqs = graph_size or num_reqs
+        padded_tokens = graph_size or piecewise_size or num_tokens
+
+        stage = self.staging
+        stage.start()
+        # As many block-table columns as the longest context needs: no kernel reads further.
+        width = max(1, -(-int(seq_lens.max()) // self.block_size))
+        block_table = stage.take_rows(BLOCK_TABLES, padded_reqs, width)
+        np.take(batch.block_table_np[:, :width], rows, axis=0, out=block_table[:num_reqs])
+        block_table[num_reqs:] = 0
+        req_indices, positions, slot_mapping = flatten_batch(num_computed, num_scheduled, block_table[:num_reqs],
+                                                             self.block_size)
+        input_ids = stage.take(INPUT_IDS, padded_tokens)
+        input_ids[:num_tokens] = batch.token_ids_np[rows[req_indices], positions]
+        input_ids[num_tokens:] = 0
+        staged_positions = stage.take(POSITIONS, padded_tokens)
+        staged_positions[:num_tokens] = positions
+        staged_positions[num_tokens:] = 0
+        staged_slots = stage.take(SLOT_MAPPING, padded_tokens)
+        staged_slots[:num_tokens] = slot_mapping
+        staged_slots[num_tokens:] = -1
+        query_start_loc = stage.take(QUERY_START_LOC, padded_reqs + 1)
+        query_start_loc[0] = 0
+        np.cumsum(num_scheduled, out=query_start_loc[1 : num_reqs + 1])
+        query_start_loc[num_reqs + 1 :] = np.arange(num_tokens + 1, num_tokens + 1 + padded_reqs - num_reqs)
+        staged_seq_lens = stage.take(SEQ_LENS, padded_reqs)
+        staged_seq_lens[:num_reqs] = seq_lens
+        staged_seq_lens[num_reqs:] = 1
+        batch.num_computed_tokens[rows] = seq_lens
+        # Caught up with every known token: sample the next one.
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        logits_indices = query_start_loc[sample_rows + 1] - 1
+        # In a step of decodes every row is sampled in order: the first rows, no gather.
+        gather_logits = not np.array_equal(logits_indices, np.arange(len(sample_rows)))
+        if gather_logits:
+            stage.take(LOGITS_INDICES, len(logits_indices))[:] = logits_indices
+        last_sampled = None
+        if self.last_sampled is not None:
+            # Async scheduling: decodes whose input token the previous step is still sampling
+            # (decodes come first, one token each: request i's input is token i). Token id
+            # -(r + 1) tells the unpacking kernel to take row r of that step's tokens, on the
+            # device, after the previous step's sampler in stream order.
+            pending, pending_src = inputs_from_last_step(
+                positions[:num_decodes], batch.num_tokens[rows[:num_decodes]], req_ids[:num_decodes],
+                self.last_sampled.index,
+            )
+            if len(pending):
+                input_ids[pending] = -(pending_src + 1)
+                last_sampled = self.last_sampled.token_ids
+        query_start_loc_cpu = query_start_loc[: num_reqs + 1].tolist()
         seq_lens_cpu = seq_lens.tolist()
+        targets = (self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
+                   self.block_tables, self.logits_indices)
+        stage.upload(targets, last_sampled)
+        if self.device.type == "cuda":
+            self.inputs_copied = torch.cuda.Event()
+            self.inputs_copied.record()
+        n = graph_size or num_tokens  # the rows attention computes
         meta = AttentionMetadata(
             num_actual_tokens=n,
-            slot_mapping=self.slot_mapping.copy_to_device(padded_tokens)[:n],
-            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(num_reqs),
-            block_tables=self.block_tables.copy_to_device(num_reqs),
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: padded_reqs + 1],
+            seq_lens=self.seq_lens[:padded_reqs],
+            block_tables=self.block_tables[:padded_reqs],
             num_decodes=num_decodes,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max(seq_lens_cpu),
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        input_ids = self.input_ids.copy_to_device(padded_tokens)
-        self.positions.copy_to_device(padded_tokens)
-        if len(pending):
-            # Decodes come first, one token each: request i's input is token i. The gather
-            # runs on the device, after the previous step's sampler, in stream order.
-            self.pending_src.np[: len(pending)] = pending_src
-            self.pending_dst.np[: len(pending)] = pending
-            dst, src = self.pending_dst.copy_to_device(len(pending)), self.pending_src.copy_to_device(len(pending))
-            input_ids[dst] = self.last_sampled.token_ids[src]
-        self.logits_indices.np[: len(logits_indices)] = logits_indices
-        # Pinned, as every input: a copy from pageable memory would wait for the device.
-        logits_indices_gpu = self.logits_indices.copy_to_device(len(logits_indices))
-        if self.device.type == "cuda":
-            self.inputs_copied = torch.cuda.Event()
-            self.inputs_copied.record()
-        return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_indices_gpu, graph_size, piecewise_size)
+        logits_rows = self.logits_indices[: len(logits_indices)] if gather_logits else None
+        return StepInputs(req_ids, num_tokens, meta, sample_rows.tolist(), logits_rows, graph_size, piecewise_size)
     # --8<-- [end:prepare-inputs]
 
 

@@ -83,26 +83,37 @@ def _fold_tile(best, best_token, row_logits, tokens, uniforms, vocab_size, inv_t
 
 # The seed changes every step and the split length with the batch: left unspecialized,
 # neither causes a recompile.
+# NOISE=False is the greedy batch: every row takes its argmax, and no noise is drawn.
 @triton.jit(do_not_specialize=["seed", "tiles_per_split"])
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride, temperature_ptr, out_ptr, part_score_ptr, part_token_ptr,
     seed, vocab_size, num_tiles, tiles_per_split,
-    SUB: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    SUB: tl.constexpr, ONE_SPLIT: tl.constexpr, NOISE: tl.constexpr = True,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    greedy = temperature < 1e-5  # GREEDY_TEMPERATURE
-    inv_temperature = tl.div_rn(1.0, tl.where(greedy, 1.0, temperature))
+    if NOISE:
+        temperature = tl.load(temperature_ptr + row)
+        greedy = temperature < 1e-5  # GREEDY_TEMPERATURE
+        inv_temperature = tl.div_rn(1.0, tl.where(greedy, 1.0, temperature))
+    else:
+        greedy = True
+        inv_temperature = 1.0
     row_logits = logits_ptr + row.to(tl.int64) * logits_stride
     lanes = tl.arange(0, SUB)
     best = tl.full([SUB], float("-inf"), tl.float32)
     best_token = tl.zeros([SUB], tl.int32)
     first_tile = split * tiles_per_split
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
-        # The counter names (row, tile, lane), not the split: the noise is the same however
-        # the row is split.
-        u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * SUB + lanes)
+        if NOISE:
+            # The counter names (row, tile, lane), not the split: the noise is the same
+            # however the row is split.
+            u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * SUB + lanes)
+        else:  # unused by a greedy row's score
+            u0 = tl.full([SUB], 0.5, tl.float32)
+            u1 = u0
+            u2 = u0
+            u3 = u0
         base = tile * 4 * SUB + lanes
         best, best_token = _fold_tile(best, best_token, row_logits, base, u0, vocab_size, inv_temperature, greedy)
         best, best_token = _fold_tile(best, best_token, row_logits, base + SUB, u1, vocab_size, inv_temperature, greedy)
@@ -169,7 +180,7 @@ def gumbel_uniforms(num_rows: int, vocab_size: int, seed: int, device: torch.dev
 # --8<-- [start:gumbel-launcher]
 def gumbel_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seed: int,
-    num_splits: int | None = None, num_warps: int = 4, sub: int = GUMBEL_SUB,
+    num_splits: int | None = None, num_warps: int = 4, sub: int = GUMBEL_SUB, noise: bool = True,
 ) -> torch.Tensor:
     """One token per row of `logits` [B, V] (any float dtype, unit stride along V), drawn from
     softmax(logits / temperature) (float32 [B]; rows below 1e-5 take the argmax); int64 [B].
@@ -177,7 +188,8 @@ def gumbel_sample(
     `seed` (0 <= seed < 2**31) keys the noise: the same seed and logits give the same tokens,
     whatever `num_splits`. A few rows are each cut into splits so that enough programs run
     (a lone row would otherwise be one program walking the whole vocabulary); a merge
-    kernel then picks each row's best split.
+    kernel then picks each row's best split. `noise=False` (`argmax_sample`): every row's
+    argmax, `temperature` unread.
     """
     num_rows, vocab_size = logits.shape
     if logits.stride(1) != 1:
@@ -198,7 +210,7 @@ def gumbel_sample(
     part_token = torch.empty(parts, dtype=torch.int32, device=logits.device)
     _gumbel_sample_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature, out, part_score, part_token, seed, vocab_size, num_tiles, tiles_per_split,
-        SUB=sub, ONE_SPLIT=one_split, num_warps=num_warps,
+        SUB=sub, ONE_SPLIT=one_split, NOISE=noise, num_warps=num_warps,
     )
     if not one_split:
         # One merge variant per vocabulary: its split tile covers the most splits there can be.
@@ -206,6 +218,21 @@ def gumbel_sample(
                                           BLOCK_S=max(16, next_power_of_2(num_tiles)))
     return out
 # --8<-- [end:gumbel-launcher]
+
+
+# --8<-- [start:greedy-launcher]
+def argmax_sample(logits: torch.Tensor, num_splits: int | None = None, num_warps: int = 4,
+                  sub: int = GUMBEL_SUB) -> torch.Tensor:
+    """Each row's argmax (the lowest token among exact ties), int64 [B]: a greedy batch
+    through the same kernel with its noise off. One row is cut into splits as above, so a
+    batch of one reads its logits with the whole GPU, where `torch.argmax` reduces the row
+    in far fewer programs; and the logits are read in their own dtype, with no float32 copy."""
+    return gumbel_sample(logits, logits, 0, num_splits=num_splits, num_warps=num_warps, sub=sub, noise=False)
+
+
+def argmax_sample_reference(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)
+# --8<-- [end:greedy-launcher]
 
 
 def gumbel_num_splits(num_rows: int, num_tiles: int, device: torch.device, programs_per_sm: int = 4) -> int:

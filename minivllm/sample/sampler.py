@@ -17,7 +17,8 @@ the number of requests. Masked tokens get logit -inf, so softmax gives them prob
 
 On a GPU, a batch that asks for temperature and nothing else skips steps 2 and 3's PyTorch
 operations: one Triton kernel (`minivllm/kernels/sampling.py`, the Gumbel-max trick) scales,
-adds noise and takes the argmax in a single read of the logits (`one_pass_sampling_applies`).
+adds noise and takes the argmax in a single read of the logits (`one_pass_sampling_applies`);
+an all-greedy batch takes the same kernel without the noise.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class Sampler(torch.nn.Module):
             # here: importing the kernels defines them, which only a GPU run may do at any time.
             from minivllm.kernels import call_kernel
 
-            sampled = call_kernel("gumbel_sample", logits, metadata.temperature, draw_seed())
+            if metadata.all_greedy:  # the same kernel with its noise off: the argmax
+                sampled = call_kernel("argmax_sample", logits)
+            else:
+                sampled = call_kernel("gumbel_sample", logits, metadata.temperature, draw_seed())
         else:
             # Every function below returns a new tensor, so the caller's logits stay untouched.
             logits = logits.to(torch.float32)
@@ -104,8 +108,10 @@ def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) 
     On a GPU, when the batch asks for temperature and nothing else: no top-k, top-p or min-p
     (they need the sorted or normalized row), no penalties or min_tokens (they rewrite the
     logits first), no seeded row (its noise must come from its own generator, whatever the
-    batch), and some row samples at random (an all-greedy batch is one argmax already); and
-    the batch is small enough for the kernel's 32-bit noise counters (some 50,000 rows).
+    batch); and the batch is small enough for the kernel's 32-bit noise counters (some
+    50,000 rows). An all-greedy batch takes the same kernel with no noise: its argmax, read
+    in the logits' own dtype with every row split over the GPU (`torch.argmax` of one row of
+    a 152k vocabulary, after the float32 copy, took twice as long; chapter 06).
     """
     if not logits.is_cuda:
         return False
@@ -113,7 +119,6 @@ def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) 
 
     return (
         fits_one_launch(*logits.shape)
-        and not metadata.all_greedy
         and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
         and metadata.no_penalties and not metadata.min_tokens_blocked
         and not metadata.generators

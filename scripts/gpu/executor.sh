@@ -22,7 +22,9 @@
 # profile-eager (where an eager step's ~15 ms of host time goes) piecewise (a prefill step
 # with piecewise graphs against eager: step profile and latency, both graph modes) split (the
 # decode kernel's shortest split: a graph of decode calls, and Qwen3-0.6B steps per setting)
-# persistent (chapter 06's persistent kernels, then batch 1/4 steps of both shapes, async).
+# persistent (chapter 06's persistent kernels, then batch 1/4 steps of both shapes, async)
+# inputs (one copy a step and the greedy argmax kernel against OLD_TREE, an earlier commit's
+# minivllm/: the greedy sampler sweep, batch 1/4 steps interleaved, the step's GPU timeline).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -154,6 +156,18 @@ for part in $PARTS; do
       for shape in qwen3-0.6b llama-3.2-1b; do
         bench "latency-$shape-async" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
       done ;;
+    inputs)  # a step's inputs in one copy, greedy batches by the kernel's argmax: against OLD_TREE
+      # (an earlier commit's minivllm/, from `git archive COMMIT minivllm | tar -x -C .old`),
+      # interleaved, batch 1/4 steps of both shapes, async; then the step's GPU timeline
+      timeout 200 python3 scripts/gpu/sweep_sampler.py --greedy --json "$OUT/greedy-sampler.json" 2>&1 | tail -10 | tee -a "$LOG"
+      for round in 1 2; do
+        for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+          PYTHONPATH=$OLD_TREE:/tmp/site bench "latency-$shape-before-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+          bench "latency-$shape-after-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+        done
+      done
+      timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-after.json" 2>&1 | tail -16 | tee -a "$LOG"
+      PYTHONPATH=$OLD_TREE:/tmp/site timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-before.json" 2>&1 | tail -16 | tee -a "$LOG" ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
         bench "throughput-$shape-async" throughput --shape $shape --async-scheduling
