@@ -48,6 +48,20 @@ bench() {  # name, then the arguments of `minivllm bench ...`
   python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'kernel_compiles_during_run')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('graph_replay_ms', 0), 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
   merge
 }
+# OLD_TREE: an earlier commit's minivllm/ (`git archive COMMIT minivllm | tar -x -C .old`), run
+# beside the code as it is.
+inputs_latency() {  # batch 1/4 steps, async, before and after, interleaved
+  for round in 1 2; do
+    for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+      PYTHONPATH=$OLD_TREE:/tmp/site bench "latency-$shape-before-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+      bench "latency-$shape-after-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+    done
+  done
+}
+inputs_timeline() {  # where the GPU's time outside the replay goes, after and before
+  timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-after.json" 2>&1 | tail -16 | tee -a "$LOG"
+  PYTHONPATH=$OLD_TREE:/tmp/site timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-before.json" 2>&1 | tail -16 | tee -a "$LOG"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 for part in $PARTS; do
   case $part in
@@ -156,18 +170,15 @@ for part in $PARTS; do
       for shape in qwen3-0.6b llama-3.2-1b; do
         bench "latency-$shape-async" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
       done ;;
-    inputs)  # a step's inputs in one copy, greedy batches by the kernel's argmax: against OLD_TREE
-      # (an earlier commit's minivllm/, from `git archive COMMIT minivllm | tar -x -C .old`),
-      # interleaved, batch 1/4 steps of both shapes, async; then the step's GPU timeline
+    inputs)  # a step's inputs in one copy, greedy batches by the kernel's argmax, against OLD_TREE:
+      # the greedy sampler sweep, then the two parts below
       timeout 200 python3 scripts/gpu/sweep_sampler.py --greedy --json "$OUT/greedy-sampler.json" 2>&1 | tail -10 | tee -a "$LOG"
-      for round in 1 2; do
-        for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
-          PYTHONPATH=$OLD_TREE:/tmp/site bench "latency-$shape-before-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
-          bench "latency-$shape-after-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
-        done
-      done
-      timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-after.json" 2>&1 | tail -16 | tee -a "$LOG"
-      PYTHONPATH=$OLD_TREE:/tmp/site timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-before.json" 2>&1 | tail -16 | tee -a "$LOG" ;;
+      inputs_latency
+      inputs_timeline ;;
+    inputs-latency)
+      inputs_latency ;;
+    inputs-timeline)
+      inputs_timeline ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
         bench "throughput-$shape-async" throughput --shape $shape --async-scheduling
