@@ -51,7 +51,7 @@ bench() {  # name, then the arguments of `minivllm bench ...`
 # OLD_TREE: an earlier commit's minivllm/ (`git archive COMMIT minivllm | tar -x -C .old`), run
 # beside the code as it is.
 inputs_latency() {  # batch 1/4 steps, async, before and after, interleaved
-  for round in 1 2; do
+  for round in $(seq ${ROUNDS:-2}); do
     for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
       PYTHONPATH=$OLD_TREE:/tmp/site bench "latency-$shape-before-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
       bench "latency-$shape-after-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
