@@ -224,9 +224,9 @@ def gumbel_sample(
 def argmax_sample(logits: torch.Tensor, num_splits: int | None = None, num_warps: int = 4,
                   sub: int = GUMBEL_SUB) -> torch.Tensor:
     """Each row's argmax (the lowest token among exact ties), int64 [B]: a greedy batch
-    through the same kernel with its noise off. One row is cut into splits as above, so a
-    batch of one reads its logits with the whole GPU, where `torch.argmax` reduces the row
-    in far fewer programs; and the logits are read in their own dtype, with no float32 copy."""
+    through the same kernel with its noise off. A few rows are cut into splits as above, so a
+    batch of one reads its logits with the whole GPU; and the logits are read in their own
+    dtype, with no float32 copy."""
     return gumbel_sample(logits, logits, 0, num_splits=num_splits, num_warps=num_warps, sub=sub, noise=False)
 
 

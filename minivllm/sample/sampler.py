@@ -110,8 +110,8 @@ def one_pass_sampling_applies(logits: torch.Tensor, metadata: SamplingMetadata) 
     logits first), no seeded row (its noise must come from its own generator, whatever the
     batch); and the batch is small enough for the kernel's 32-bit noise counters (some
     50,000 rows). An all-greedy batch takes the same kernel with no noise: its argmax, read
-    in the logits' own dtype with every row split over the GPU, where the PyTorch path makes
-    a float32 copy first and `torch.argmax` reduces a row in far fewer programs (chapter 06).
+    in the logits' own dtype, where the PyTorch path makes a float32 copy first (on an H100,
+    one row of Qwen3's vocabulary 8.9 µs against 16.5, 256 rows 43.8 against 204: chapter 06).
     """
     if not logits.is_cuda:
         return False
