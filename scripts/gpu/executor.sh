@@ -24,7 +24,9 @@
 # decode kernel's shortest split: a graph of decode calls, and Qwen3-0.6B steps per setting)
 # persistent (chapter 06's persistent kernels, then batch 1/4 steps of both shapes, async)
 # inputs (one copy a step and the greedy argmax kernel against OLD_TREE, an earlier commit's
-# minivllm/: the greedy sampler sweep, batch 1/4 steps interleaved, the step's GPU timeline).
+# minivllm/: the greedy sampler sweep, batch 1/4 steps interleaved, the step's GPU timeline;
+# inputs-latency and inputs-timeline run those two on their own, ROUNDS times for the first)
+# inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -179,6 +181,9 @@ for part in $PARTS; do
       inputs_latency ;;
     inputs-timeline)
       inputs_timeline ;;
+    inputs-host)  # the host's time per batch-1 step, by part, after and before
+      timeout 200 python3 scripts/gpu/step_profile.py --workload decode --batch 1 --tokens 256 --caching off --async-scheduling --top 12 2>&1 | grep -v INFO | head -30 | tee -a "$LOG"
+      PYTHONPATH=$OLD_TREE:/tmp/site timeout 200 python3 scripts/gpu/step_profile.py --workload decode --batch 1 --tokens 256 --caching off --async-scheduling --top 12 2>&1 | grep -v INFO | head -30 | tee -a "$LOG" ;;
     async-both)  # offline throughput, async, both shapes, the code as it is
       for shape in qwen3-0.6b llama-3.2-1b; do
         bench "throughput-$shape-async" throughput --shape $shape --async-scheduling
