@@ -11,6 +11,7 @@
 #   ch05-piecewise-replay       PiecewiseCudaGraphRunner.replay  (minivllm/executor/cuda_graphs.py)
 #   ch05-flatten-batch          flatten_batch  (minivllm/executor/gpu_input_batch.py)
 #   ch05-inputs-from-last-step  inputs_from_last_step  (minivllm/executor/model_runner.py)
+#   ch05-unpack-step-inputs     unpack_step_inputs_reference  (minivllm/executor/step_inputs.py)
 #   ch05-kv-cache-sizing        num_kv_blocks  (minivllm/executor/worker.py)
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.executor.step_inputs import BLOCK_TABLES, BLOCK_TABLE_WIDTH, HEADER_WORDS, INPUT_IDS
 
 
 # exercise[ch05-padded-graph-size]: bisect for the first captured size >= num_reqs; None past the largest
@@ -82,6 +84,21 @@ def inputs_from_last_step(
     their rows in the last step's sampled tokens. Every other decode's input is on the host.
     """
     raise NotImplementedError("ch05-inputs-from-last-step: the decodes whose position is not among the row's known tokens; their source row is last_sampled_rows[request id]")
+
+
+# exercise[ch05-unpack-step-inputs]: array s is staged[header[2s] : header[2s] + header[2s + 1]]; a token id -(r + 1) becomes last_sampled[r]; the block tables are length // width rows of width = header[BLOCK_TABLE_WIDTH]
+def unpack_step_inputs_reference(
+    staged: torch.Tensor, max_length: int, input_ids: torch.Tensor, positions: torch.Tensor,
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, logits_indices: torch.Tensor, last_sampled: torch.Tensor,
+) -> None:
+    """Write each array of `staged` (int32: header, then the arrays) into its buffer.
+
+    A negative token id -(r + 1) becomes `last_sampled[r]`. Block-table rows land at the
+    buffer's row stride, `width` columns each. `max_length` (the longest array) sizes the
+    kernel's grid; here it is not needed.
+    """
+    raise NotImplementedError("ch05-unpack-step-inputs: array s is staged[header[2s] : header[2s] + header[2s + 1]]; a token id -(r + 1) becomes last_sampled[r]; the block tables are length // width rows of width = header[BLOCK_TABLE_WIDTH]")
 
 
 # exercise[ch05-kv-cache-sizing]: budget = total * utilization - used_by_others - peak; whole blocks of bytes_per_block; never below 0

@@ -36,6 +36,7 @@ INT32_MAX = 2**31 - 1
 
 
 # --8<-- [start:unpack-reference]
+# exercise[ch05-unpack-step-inputs]: array s is staged[header[2s] : header[2s] + header[2s + 1]]; a token id -(r + 1) becomes last_sampled[r]; the block tables are length // width rows of width = header[BLOCK_TABLE_WIDTH]
 def unpack_step_inputs_reference(
     staged: torch.Tensor, max_length: int, input_ids: torch.Tensor, positions: torch.Tensor,
     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Step n + 1 is prepared while step n still runs, so a decode whose input is step n's sampled
 token finds it only on the device. `inputs_from_last_step` names those decodes and where their
-token sits; the model runner gathers them on the device. Called through its module, as the
+token sits; the model runner stages them as negative token ids, which the unpacking of the
+step's inputs resolves on the device. Called through its module, as the
 model runner calls it; the last test runs whole engines with it.
 """
 
