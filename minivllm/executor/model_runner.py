@@ -138,6 +138,9 @@ class ModelRunner:
         self.seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(self.max_num_reqs, dtype=torch.long, device=device)
+        # The same buffers in the order of the staged arrays (step_inputs.py), for `upload`.
+        self.step_input_buffers = (self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+                                   self.seq_lens, self.block_tables, self.logits_indices)
         self.staging = StepInputStager(
             HEADER_WORDS + 3 * max_tokens + 3 * self.max_num_reqs + 1 + self.max_num_reqs * max_blocks_per_req, device
         )
@@ -248,8 +251,7 @@ class ModelRunner:
         # The step-input kernel: compiled for this engine's buffers by a first copy.
         self.staging.start()
         self.staging.take(INPUT_IDS, 1)[:] = 0
-        self.staging.upload((self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
-                             self.block_tables, self.logits_indices), None)
+        self.staging.upload(self.step_input_buffers, None)
         torch.cuda.synchronize(self.device)
 
     def _warm_up_step(self, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
@@ -549,9 +551,7 @@ class ModelRunner:
                 last_sampled = self.last_sampled.token_ids
         query_start_loc_cpu = query_start_loc[: num_reqs + 1].tolist()
         seq_lens_cpu = seq_lens.tolist()
-        targets = (self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
-                   self.block_tables, self.logits_indices)
-        stage.upload(targets, last_sampled)
+        stage.upload(self.step_input_buffers, last_sampled)
         if self.device.type == "cuda":
             self.inputs_copied = torch.cuda.Event()
             self.inputs_copied.record()
