@@ -11,7 +11,9 @@ linear layer through cuBLAS), `nofreeze` (the start-up heap left to the garbage 
 `nopdl` (no programmatic dependent launch), `merge-kernel` (the decode splits merged by a
 second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `before-pdl`
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
-skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-tile=BN,BK,W,S`
+skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-few=T` (the skinny
+GEMM for every product of at most T tokens, gate_up included, the default rule for more),
+`skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
 loads nothing before its PDL wait), or several joined by "+" (applied in order). It lets one GPU run compare
@@ -73,6 +75,11 @@ def apply(part: str) -> None:
         import minivllm.kernels.gemm as skinny
 
         skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= 4
+    elif part.startswith("skinny-few="):  # the skinny GEMM for every product of at most T tokens, the default rule above
+        import minivllm.kernels.gemm as skinny
+
+        few, default_wins = int(part.removeprefix("skinny-few=")), skinny.skinny_gemm_wins
+        skinny.skinny_gemm_wins = lambda num_tokens, n, k: num_tokens <= few or default_wins(num_tokens, n, k)
     elif part.startswith("skinny-tile="):  # that tile for every skinny product
         import minivllm.kernels.gemm as skinny
 

@@ -26,7 +26,8 @@
 # inputs (one copy a step and the greedy argmax kernel against OLD_TREE, an earlier commit's
 # minivllm/: the greedy sampler sweep, batch 1/4 steps interleaved, the step's GPU timeline;
 # inputs-latency and inputs-timeline run those two on their own, ROUNDS times for the first)
-# inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE).
+# inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE). skinny-few
+# (batch 1/2/4 steps with the skinny GEMM on every 1- or 2-token product, gate_up included).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -179,6 +180,14 @@ for part in $PARTS; do
       inputs_timeline ;;
     inputs-latency)
       inputs_latency ;;
+    skinny-few)  # batch 1-4 steps with the skinny GEMM on every product of 1 or 2 tokens (gate_up too), and as it is
+      for round in $(seq ${ROUNDS:-1}); do
+        for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+          for v in default skinny-few=1 skinny-few=2; do
+            VARIANT=$v bench "latency-$shape-$v-$round" latency --shape $shape --batch-sizes 1,2,4 --num-iters 5 --async-scheduling
+          done
+        done
+      done ;;
     inputs-timeline)
       inputs_timeline ;;
     inputs-host)  # the host's time per batch-1 step, by part, after and before
