@@ -323,26 +323,39 @@ def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
         kernel(torch.zeros(SKINNY_MAX_TOKENS + 1, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
 
 
-def test_skinny_gemm_is_picked_only_where_the_h200_sweep_measured_it_faster():
-    """`skinny_gemm_wins` against the recorded sweep: every product it sends to the kernel ran
-    faster there with the sweep's tile (SKINNY_TILE, from which the rule was set) than with
-    cuBLAS, and it picks some of them. (The 1-2 token tile was chosen later, in whole-engine
-    runs under PDL, where products overlap and a sweep of isolated products cannot judge it.)"""
+def test_skinny_gemm_is_picked_only_where_it_was_measured_faster():
+    """`skinny_gemm_wins` against the recorded measurements. From two tokens on, every product
+    it sends to the kernel ran faster in the H200 sweep with the sweep's tile (SKINNY_TILE, from
+    which that rule was set) than with cuBLAS, and it picks some of them. For one token it picks
+    every product, the sweep's losers too, because in the whole engine (under PDL, with the 1-2
+    token tile, where a sweep of isolated products cannot judge) the batch-1 step of both shapes
+    was faster so (`skinny-few=1`) and the batch-2 step slower with every 2-token product on it."""
     import json
     from pathlib import Path
 
     from minivllm.kernels.gemm import SKINNY_TILE, skinny_gemm_wins
 
-    data = json.loads((Path(__file__).parents[1] / "docs/data/skinny-gemm-h200-2026-12-03.json").read_text())
+    data_dir = Path(__file__).parents[1] / "docs/data"
+    data = json.loads((data_dir / "skinny-gemm-h200-2026-12-03.json").read_text())
     keys = ("block_n", "block_k", "num_warps", "num_stages", "sum_each_slice")
     picked = 0
     for row in data["skinny_gemm_sweep"]["shapes"]:
+        if row["tokens"] == 1:
+            assert skinny_gemm_wins(1, row["N"], row["K"]), (row["model"], row["matrix"])
+            continue
         if not skinny_gemm_wins(row["tokens"], row["N"], row["K"]):
             continue
         picked += 1
         tile = next(v for v in row["top"] if tuple(v[k] for k in keys) == SKINNY_TILE)
         assert tile["us"] < row["cublas_us"], (row["model"], row["matrix"], row["tokens"])
-    assert picked >= 5
+    assert picked >= 3
+
+    engine = json.loads((data_dir / "skinny-one-token-h100-2026-12-07.json").read_text())["latency"]
+    for shape in ("qwen3-0.6b", "llama-3.2-1b"):
+        step = {variant: {p["batch_size"]: p["decode_step_ms"] for p in engine[f"latency-{shape}-{variant}-1"]["points"]}
+                for variant in ("default", "skinny-few=1", "skinny-few=2")}
+        assert step["skinny-few=1"][1] < step["default"][1], shape  # one token: every product on the kernel
+        assert step["skinny-few=2"][2] > step["default"][2], shape  # two tokens: the sweep's rule
 
 
 @settings(max_examples=4 if not CUDA else 30, deadline=None, suppress_health_check=list(HealthCheck))

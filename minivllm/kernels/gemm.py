@@ -126,18 +126,22 @@ def skinny_tile(num_tokens: int) -> tuple[int, int, int, int, bool]:
 
 # --8<-- [start:skinny-gemm-wins]
 def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
-    """Whether this kernel beats cuBLAS on a [num_tokens, k] x [n, k] product, on the H200.
+    """Whether this kernel beats cuBLAS on a [num_tokens, k] x [n, k] product.
 
-    The sweep (chapter 06) found it faster only on matrices of at most 4 Mi elements (8 MiB
-    in bf16), and there: for one token always (Qwen3-0.6B's qkv, o and down, Llama-3.2-1B's
-    o), for two on those of at most 2,048 rows, for three or four on those of at most 1,024.
-    cuBLAS won on the larger matrices (gate_up, Llama's qkv and down, the LM head) and at
-    eight tokens.
+    For one token, every product. Timed alone (the H200 sweep, chapter 06), cuBLAS won on the
+    matrices of more than 4 Mi elements (gate_up, Llama's qkv and down); but in the engine's
+    batch-1 step, under PDL and with the 1-2 token tile, the kernel loads its weights while the
+    kernel before it still runs, which cuBLAS does not: with it on every product the step took
+    1.014 ms against 1.027 for Qwen3-0.6B and 1.136 against 1.209 for Llama-3.2-1B (an H100,
+    `skinny-few=1` in scripts/gpu/engine_variants.py). For two tokens it lost there (1.117
+    against 1.108, 1.403 against 1.254), so from two tokens on the sweep decides: matrices of at
+    most 4 Mi elements (8 MiB in bf16), of at most 2,048 rows for two tokens and 1,024 for three
+    or four; cuBLAS for the rest and at eight tokens.
     """
-    if n * k > 4 << 20:
-        return False
     if num_tokens == 1:
         return True
+    if n * k > 4 << 20:
+        return False
     return n <= (2048 if num_tokens == 2 else 1024) and num_tokens <= 4
 # --8<-- [end:skinny-gemm-wins]
 
