@@ -16,7 +16,9 @@ GEMM for every product of at most T tokens, gate_up included, the default rule f
 `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
-loads nothing before its PDL wait), or several joined by "+" (applied in order). It lets one GPU run compare
+loads nothing before its PDL wait), `no-rope` (timing only, its outputs are wrong: where the
+RoPE kernel would also write the cache, neither runs: the most a RoPE fused into another
+kernel could save), or several joined by "+" (applied in order). It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -93,6 +95,12 @@ def apply(part: str) -> None:
         import minivllm.kernels.paged_attention as paged
 
         paged.DECODE_WHOLE_CONTEXT_TILES = int(part.removeprefix("whole-context="))
+    elif part == "no-rope":  # timing only, wrong outputs: no RoPE kernel, K/V never written (its cost at most)
+        from minivllm.models.layers.rotary import RotaryEmbedding
+
+        rope_forward = RotaryEmbedding.forward
+        RotaryEmbedding.forward = lambda self, positions, query, key, q_norm=None, k_norm=None, kv_write=None: (
+            (query, key) if kv_write is not None else rope_forward(self, positions, query, key, q_norm, k_norm, kv_write))
     elif part == "late-loads":  # the decode kernel waits for the previous kernel before any load
         import minivllm.kernels.paged_attention as paged
 

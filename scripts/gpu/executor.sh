@@ -28,6 +28,7 @@
 # inputs-latency and inputs-timeline run those two on their own, ROUNDS times for the first)
 # inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE). skinny-few
 # (batch 1/2/4 steps with the skinny GEMM on every 1- or 2-token product, gate_up included).
+# rope-bound (batch 1/4 steps with no RoPE kernel, timing only: what fusing it away could save).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -180,6 +181,10 @@ for part in $PARTS; do
       inputs_timeline ;;
     inputs-latency)
       inputs_latency ;;
+    rope-bound)  # batch 1/4 steps without the RoPE kernel (timing only: engine_variants.py no-rope)
+      for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+        VARIANT=no-rope bench "latency-$shape-no-rope" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+      done ;;
     skinny-few)  # batch 1-4 steps with the skinny GEMM on every product of 1 or 2 tokens (gate_up too), and as it is
       for round in $(seq ${ROUNDS:-1}); do
         for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
