@@ -47,7 +47,10 @@ bench() {  # name, then the arguments of `minivllm bench ...`
   local name=$1; shift
   echo "== $name: minivllm bench $*" | tee -a "$LOG"
   # VARIANT (scripts/gpu/engine_variants.py): the bench with one engine variant patched in.
-  if [ -n "${VARIANT:-}" ]; then local runner="scripts/gpu/engine_variants.py $VARIANT --"; else local runner="-m minivllm.cli.main"; fi
+  # -P: `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH, and
+  # an OLD_TREE given through PYTHONPATH would silently be the code as it is. Which tree ran is logged.
+  if [ -n "${VARIANT:-}" ]; then local runner="scripts/gpu/engine_variants.py $VARIANT --"; else local runner="-P -m minivllm.cli.main"; fi
+  python3 -P -c "import minivllm, os; print('   minivllm from', os.path.dirname(os.path.dirname(minivllm.__file__)))" | tee -a "$LOG"
   timeout 300 python3 $runner bench "$@" --json "/tmp/res/$name.json" >>"$LOG" 2>&1 || echo "!! $name failed ($?)" | tee -a "$LOG"
   python3 -c "import json; r=json.load(open('/tmp/res/$name.json')); print({k: r.get(k) for k in ('output_tokens_per_s', 'bound_output_tokens_per_s', 'fraction_of_bound', 'seconds', 'engine_steps', 'kernel_compiles_during_run')} if 'points' not in r else [(p['batch_size'], round(p['decode_step_ms'], 3), round(p.get('graph_replay_ms', 0), 3), round(p.get('floor_ms', 0), 3)) for p in r['points']])" 2>/dev/null | tee -a "$LOG"
   merge
