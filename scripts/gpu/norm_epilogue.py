@@ -18,7 +18,10 @@ chain of layers captured in a CUDA graph with PDL, as the engine replays them:
 three ways: the post product without any norm (what the norm costs at most), followed by the
 norm kernel (the engine today), and with the norm in its last program. Correctness first: the
 fused way's new residual must equal the norm kernel's bit for bit and its normalized rows
-within one bf16 rounding. Prints a table last; `--json` writes every number.
+within one bf16 rounding. The product is a copy of the library kernel's loop, so that the
+norm's weight can be loaded before the PDL wait; the fourth way (this copy, then the norm
+kernel) checks that the copy times as the library's kernel does. Prints a table last;
+`--json` writes every number.
 """
 
 from __future__ import annotations
