@@ -25,7 +25,8 @@ defaults in the whole engine, where a kernel sweep alone can mislead.
 import os
 import sys
 
-sys.path.insert(0, os.getcwd())
+# After PYTHONPATH, not before it: an earlier tree given there (executor.sh's OLD_TREE) is the one imported.
+sys.path.append(os.getcwd())
 
 variant, bench_args = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
 

@@ -83,7 +83,6 @@ rows = sorted(({"activity": k, "per_step": v[0] / steps, "us_per_step": v[1] / s
 busy_us = sum(r["us_per_step"] for r in rows)
 
 
-
 def union_and_gaps(intervals: list[tuple[float, float, str]], min_gap: float = 2.0) -> tuple[float, dict]:
     """The length of the union of (start, end, name) intervals sorted by start, and the gaps of
     at least `min_gap` between them: {"last to end -> next to start": [count, total]}."""
