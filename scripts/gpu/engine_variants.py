@@ -18,7 +18,10 @@ GEMM for every product of at most T tokens, gate_up included, the default rule f
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
 loads nothing before its PDL wait), `no-rope` (timing only, its outputs are wrong: where the
 RoPE kernel would also write the cache, neither runs: the most a RoPE fused into another
-kernel could save), or several joined by "+" (applied in order). It lets one GPU run compare
+kernel could save), `no-attention` (timing only: the decode attention kernel does not run, o takes
+the query as it is), `no-norm` (timing only: every RMSNorm returns its input, residual sums
+skipped), or several joined by "+" (applied in order). The three timing-only ones bound what
+fusing each operator away could save in the whole step. It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -102,6 +105,16 @@ def apply(part: str) -> None:
         rope_forward = RotaryEmbedding.forward
         RotaryEmbedding.forward = lambda self, positions, query, key, q_norm=None, k_norm=None, kv_write=None: (
             (query, key) if kv_write is not None else rope_forward(self, positions, query, key, q_norm, k_norm, kv_write))
+    elif part == "no-attention":  # timing only, wrong outputs: no decode attention kernel where RoPE wrote the cache
+        from minivllm.models.layers.attention import Attention
+
+        attention_forward = Attention.forward
+        Attention.forward = lambda self, q, k, v, kv_written=False: (
+            q.reshape(q.shape[0], -1) if kv_written else attention_forward(self, q, k, v, kv_written))
+    elif part == "no-norm":  # timing only, wrong outputs: no RMSNorm kernel (and no residual sum)
+        from minivllm.models.layers.norm import RMSNorm
+
+        RMSNorm.forward = lambda self, x, residual=None: x if residual is None else (x, residual)
     elif part == "late-loads":  # the decode kernel waits for the previous kernel before any load
         import minivllm.kernels.paged_attention as paged
 

@@ -29,6 +29,9 @@
 # inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE). skinny-few
 # (batch 1/2/4 steps with the skinny GEMM on every 1- or 2-token product, gate_up included).
 # rope-bound (batch 1/4 steps with no RoPE kernel, timing only: what fusing it away could save).
+# removal-bounds (batch 1/4 steps as it is and with RoPE, attention, the norms and all three
+# taken out, timing only: each operator's share of the step). trees-latency (batch 1/4 steps of
+# each tree in TREES, "name=path name=path", interleaved ROUNDS times: a clean before/after).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -187,6 +190,20 @@ for part in $PARTS; do
     rope-bound)  # batch 1/4 steps without the RoPE kernel (timing only: engine_variants.py no-rope)
       for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
         VARIANT=no-rope bench "latency-$shape-no-rope" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+      done ;;
+    removal-bounds)  # batch 1/4 steps with one operator (or three) taken out (timing only: engine_variants.py)
+      for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+        for v in default no-rope no-attention no-norm no-rope+no-attention+no-norm; do
+          VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+        done
+      done ;;
+    trees-latency)  # batch 1/4 steps of each tree in TREES, interleaved (each logs where minivllm came from)
+      for round in $(seq ${ROUNDS:-1}); do
+        for shape in ${INPUT_SHAPES:-qwen3-0.6b}; do
+          for tree in $TREES; do
+            PYTHONPATH=${tree#*=}:/tmp/site bench "latency-$shape-${tree%%=*}-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+          done
+        done
       done ;;
     skinny-few)  # batch 1-4 steps with the skinny GEMM on every product of 1 or 2 tokens (gate_up too), and as it is
       for round in $(seq ${ROUNDS:-1}); do
