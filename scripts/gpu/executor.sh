@@ -60,13 +60,17 @@ bench() {  # name, then the arguments of `minivllm bench ...`
 }
 # OLD_TREE: an earlier commit's minivllm/ (`git archive COMMIT minivllm | tar -x -C .old`), run
 # beside the code as it is.
-inputs_latency() {  # batch 1/4 steps, async, before and after, interleaved
-  for round in $(seq ${ROUNDS:-2}); do
-    for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
-      PYTHONPATH=$OLD_TREE:/tmp/site bench "latency-$shape-before-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
-      bench "latency-$shape-after-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+trees_latency() {  # batch 1/4 steps, async, of each tree in TREES ("name=path ..."), interleaved ROUNDS times
+  for round in $(seq ${ROUNDS:-1}); do
+    for shape in $1; do
+      for tree in $TREES; do
+        PYTHONPATH=${tree#*=}:/tmp/site bench "latency-$shape-${tree%%=*}-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+      done
     done
   done
+}
+inputs_latency() {  # OLD_TREE before the code as it is
+  TREES="before=$OLD_TREE after=$PWD" ROUNDS=${ROUNDS:-2} trees_latency "${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}"
 }
 inputs_timeline() {  # where the GPU's time outside the replay goes, after and before
   timeout 200 python3 scripts/gpu/step_timeline.py --shape qwen3-0.6b --batch 1 --json "$OUT/timeline-after.json" 2>&1 | tail -16 | tee -a "$LOG"
@@ -198,13 +202,7 @@ for part in $PARTS; do
         done
       done ;;
     trees-latency)  # batch 1/4 steps of each tree in TREES, interleaved (each logs where minivllm came from)
-      for round in $(seq ${ROUNDS:-1}); do
-        for shape in ${INPUT_SHAPES:-qwen3-0.6b}; do
-          for tree in $TREES; do
-            PYTHONPATH=${tree#*=}:/tmp/site bench "latency-$shape-${tree%%=*}-$round" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
-          done
-        done
-      done ;;
+      trees_latency "${INPUT_SHAPES:-qwen3-0.6b}" ;;
     skinny-few)  # batch 1-4 steps with the skinny GEMM on every product of 1 or 2 tokens (gate_up too), and as it is
       for round in $(seq ${ROUNDS:-1}); do
         for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
