@@ -20,8 +20,11 @@ loads nothing before its PDL wait), `no-rope` (timing only, its outputs are wron
 RoPE kernel would also write the cache, neither runs: the most a RoPE fused into another
 kernel could save), `no-attention` (timing only: the decode attention kernel does not run, o takes
 the query as it is), `no-norm` (timing only: every RMSNorm returns its input, residual sums
-skipped), or several joined by "+" (applied in order). The three timing-only ones bound what
-fusing each operator away could save in the whole step. It lets one GPU run compare
+skipped), `shared-weights` (timing only: every decoder layer computes with layer 0's weights,
+which then stay in the 50 MB L2 of an H100 or H200 for a Qwen3-0.6B layer; the LM head still
+reads its own), or several joined by "+" (applied in order). The first three timing-only ones
+bound what fusing each operator away could save in the whole step; `shared-weights`, what the
+layers take when no weight comes from DRAM, a ceiling for anything done on the memory side. It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
 """
 
@@ -115,6 +118,24 @@ def apply(part: str) -> None:
         from minivllm.models.layers.norm import RMSNorm
 
         RMSNorm.forward = lambda self, x, residual=None: x if residual is None else (x, residual)
+    elif part == "shared-weights":  # timing only: every decoder layer reads layer 0's weights, which stay in L2
+        import minivllm.executor.model_runner as runner
+
+        load_model = runner.ModelRunner.load_model
+
+        def load_model_shared(self) -> None:
+            load_model(self)
+            layers = self.model.model.layers
+            first = dict(layers[0].named_parameters())
+            for layer in layers[1:]:
+                for name, param in layer.named_parameters():
+                    param.data = first[name].data  # the other layers' own weights are freed
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+
+        runner.ModelRunner.load_model = load_model_shared
     elif part == "late-loads":  # the decode kernel waits for the previous kernel before any load
         import minivllm.kernels.paged_attention as paged
 

@@ -29,8 +29,8 @@
 # inputs-host (the host's time per batch-1 step by part, the code and OLD_TREE). skinny-few
 # (batch 1/2/4 steps with the skinny GEMM on every 1- or 2-token product, gate_up included).
 # rope-bound (batch 1/4 steps with no RoPE kernel, timing only: what fusing it away could save).
-# removal-bounds (batch 1/4 steps as it is and with RoPE, attention, the norms and all three
-# taken out, timing only: each operator's share of the step). trees-latency (batch 1/4 steps of
+# removal-bounds (batch 1/4 steps as it is, with every layer's weights in L2, and with RoPE, attention,
+# the norms and all three taken out, timing only: each operator's share of the step). trees-latency (batch 1/4 steps of
 # each tree in TREES, "name=path name=path", interleaved ROUNDS times: a clean before/after).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -197,7 +197,9 @@ for part in $PARTS; do
       done ;;
     removal-bounds)  # batch 1/4 steps with one operator (or three) taken out (timing only: engine_variants.py)
       for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
-        for v in default no-rope no-attention no-norm no-rope+no-attention+no-norm; do
+        # shared-weights: every layer on layer 0's weights, resident in L2 (Qwen3's 31.5 MB layer fits,
+        # Llama's 64 MB does not): the layers with no weight from DRAM.
+        for v in default shared-weights no-attention no-rope no-norm no-rope+no-attention+no-norm shared-weights+no-attention; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
         done
       done ;;
