@@ -22,7 +22,8 @@ kernel could save), `no-attention` (timing only: the decode attention kernel doe
 the query as it is), `no-norm` (timing only: every RMSNorm returns its input, residual sums
 skipped), `shared-weights` (timing only: every decoder layer computes with layer 0's weights,
 which then stay in the 50 MB L2 of an H100 or H200 for a Qwen3-0.6B layer; the LM head still
-reads its own), or several joined by "+" (applied in order). The first three timing-only ones
+reads its own, and its 311 MB passing through L2 sends the first layer of each step back to
+DRAM once), or several joined by "+" (applied in order). The first three timing-only ones
 bound what fusing each operator away could save in the whole step; `shared-weights`, what the
 layers take when no weight comes from DRAM, a ceiling for anything done on the memory side. It lets one GPU run compare
 defaults in the whole engine, where a kernel sweep alone can mislead.
