@@ -112,3 +112,27 @@ def test_every_snippet_section_exists() -> None:
             if not re.search(rf"-{{1,}}8<-{{1,}}[ \t]+\[[ \t]*{kind}[ \t]*:[ \t]*{re.escape(section)}[ \t]*\]", source):
                 missing.append(f"{where}: {m.group('path')} has no [{kind}:{section}] marker")
     assert not missing, "snippet includes name sections that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_source_include_sits_in_a_code_fence() -> None:
+    # A bare include of Python is pasted in as markdown: its comments become headings and its
+    # code a paragraph. Each one must be the only line of a ``` fence opened just above it.
+    bare = []
+    for md, number, target in snippet_includes():
+        path = SECTION_TARGET.match(target).group("path") if SECTION_TARGET.match(target) else target
+        if not path.endswith(".py"):
+            continue
+        lines = md.read_text(encoding="utf-8").splitlines()
+        above, below = lines[number - 2].strip(), lines[number].strip() if number < len(lines) else ""
+        if not (above.startswith("```") and below == "```"):
+            bare.append(f"{md.relative_to(REPO_ROOT)}:{number}: {target}")
+    assert not bare, "source includes outside a code fence (they render as prose):\n" + "\n".join(bare)
+
+
+def test_included_code_is_rendered_as_code(site_dir: Path) -> None:
+    # The symptom of a bare include in the built site: a `def` or `class` line in a paragraph,
+    # or an `# exercise[...]` comment turned into a heading.
+    prose_code = re.compile(r'<p>(?:def|class|async def) \w+|<h1 id="exercise')
+    broken = [str(page.relative_to(site_dir)) for page in sorted(site_dir.rglob("*.html"))
+              if prose_code.search(page.read_text(encoding="utf-8"))]
+    assert not broken, f"pages that show included source as prose: {broken}"

@@ -7,6 +7,7 @@
 # minivllm; everything else stays the reference. A method sits in a stub class named like
 # its real class: the stub only holds it, and `self` is the real object when it runs.
 #
+#   ch05-physical-bound         physical_bound  (minivllm/bench/throughput.py)
 #   ch05-padded-graph-size      padded_batch_size  (minivllm/executor/cuda_graphs.py)
 #   ch05-piecewise-replay       PiecewiseCudaGraphRunner.replay  (minivllm/executor/cuda_graphs.py)
 #   ch05-flatten-batch          flatten_batch  (minivllm/executor/gpu_input_batch.py)
@@ -23,6 +24,19 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.step_inputs import BLOCK_TABLES, BLOCK_TABLE_WIDTH, HEADER_WORDS, INPUT_IDS
+
+
+# exercise[ch05-physical-bound]: bytes = num_steps * weight bytes + kv bytes * the contexts every output token attends to (token i of a request: prompt_len + i); seconds = bytes / (copy_gbps * 1e9)
+def physical_bound(prompt_lens: list[int], output_lens: list[int], num_steps: int, sizes: dict[str, int], copy_gbps: float) -> dict:
+    """The fastest this workload can run: weight reads of every step + every decoded token's
+    K/V reads, over the copy bandwidth.
+
+    `sizes` is `model_bytes`'s: `weight_bytes_per_step` and `kv_bytes_per_token`. Output token
+    i of a request (i = 0, 1, ...) is computed over a context of `prompt_len + i` tokens, whose
+    K/V it reads once. Returns `bound_bytes` (an int), `bound_seconds` and
+    `bound_output_tokens_per_s` (all output tokens over those seconds).
+    """
+    raise NotImplementedError("ch05-physical-bound: bytes = num_steps * weight bytes + kv bytes * the contexts every output token attends to (token i of a request: prompt_len + i); seconds = bytes / (copy_gbps * 1e9)")
 
 
 # exercise[ch05-padded-graph-size]: bisect for the first captured size >= num_reqs; None past the largest

@@ -82,9 +82,16 @@ def model_bytes(hf_config, dtype_bytes: int = 2) -> dict[str, int]:
     }
 
 
+# exercise[ch05-physical-bound]: bytes = num_steps * weight bytes + kv bytes * the contexts every output token attends to (token i of a request: prompt_len + i); seconds = bytes / (copy_gbps * 1e9)
 def physical_bound(prompt_lens: list[int], output_lens: list[int], num_steps: int, sizes: dict[str, int], copy_gbps: float) -> dict:
     """The fastest this workload can run: weight reads of every step + every decoded token's
-    K/V reads, over the copy bandwidth."""
+    K/V reads, over the copy bandwidth.
+
+    `sizes` is `model_bytes`'s: `weight_bytes_per_step` and `kv_bytes_per_token`. Output token
+    i of a request (i = 0, 1, ...) is computed over a context of `prompt_len + i` tokens, whose
+    K/V it reads once. Returns `bound_bytes` (an int), `bound_seconds` and
+    `bound_output_tokens_per_s` (all output tokens over those seconds).
+    """
     # Output token i of a request (i = 0, 1, ...) attends to prompt_len + i tokens of context.
     context_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     total_bytes = num_steps * sizes["weight_bytes_per_step"] + context_tokens * sizes["kv_bytes_per_token"]
