@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from conftest import TEST_DEVICE
 from hf_reference import TINY_CONFIGS, GreedyRun, check_logprobs_close, hf_greedy, make_tiny_model
@@ -96,3 +97,20 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model, attent
     ]
     assert_matches_hf(hf_runs, runs)
     assert core.scheduler.kv_cache_manager.num_free_blocks == 40, "every block must be free once all requests finished"
+
+
+def test_every_layer_shares_one_rope_table(tiny_model):
+    # The cos/sin table depends only on the config; a copy per layer would cost num_layers - 1
+    # tables of GPU memory (0.53 GiB for Qwen3-0.6B) and change no output.
+    import transformers
+
+    from minivllm.models.registry import ModelRegistry
+
+    arch, folder, _, _ = tiny_model
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = ModelRegistry.resolve_model_cls(config.architectures)(config)
+    tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1, f"{arch}: {len(tables)} RoPE tables for {len(model.model.layers)} layers"
+    buffers = [name for name, _ in model.named_buffers() if name.endswith("cos_sin_cache")]
+    assert len(buffers) == 1, f"{arch}: the model holds {len(buffers)} cos/sin buffers"

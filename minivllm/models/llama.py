@@ -25,9 +25,15 @@ from minivllm.models.layers.norm import RMSNorm
 from minivllm.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
+def build_rotary_embedding(config: Any) -> RotaryEmbedding:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta, scaling = rope_parameters(config)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+
+
 # --8<-- [start:llama-attention]
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         tp_size = get_tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -40,8 +46,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.head_dim, config.num_attention_heads, num_kv_heads, bias=qkv_bias
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
-        theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb  # one module, and one cos/sin table, shared by every layer
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -84,9 +89,9 @@ class LlamaMLP(nn.Module):
 
 # --8<-- [start:llama-decoder-layer]
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -109,8 +114,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # The cos/sin of every position depend only on the config: one table (21 MB for
+        # Qwen3-0.6B's 40,960 positions in float32) serves all layers, as vLLM's get_rope shares it.
+        rotary_emb = build_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, qkv_bias, qk_norm, rotary_emb) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
