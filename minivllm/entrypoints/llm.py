@@ -91,7 +91,16 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # --8<-- [start:run-engine]
+    # exercise[ch01-run-engine]: while engine.has_unfinished_requests(): keep each finished output of engine.step() by its request_id; return them in request_ids' order
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until no request is left; return each request's final output, in
+        the order of `request_ids`.
+
+        `self.llm_engine.step()` runs one step and returns the outputs of the requests it
+        advanced; only those with `finished` set are final. Requests finish in any order (a
+        short one before a long one), so keep them by `request_id`. With `use_tqdm`, a
+        progress bar counts the finished requests.
+        """
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         num_output_tokens = 0
