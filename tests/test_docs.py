@@ -119,8 +119,8 @@ def test_every_source_include_sits_in_a_code_fence() -> None:
     # code a paragraph. Each one must be the only line of a ``` fence opened just above it.
     bare = []
     for md, number, target in snippet_includes():
-        path = SECTION_TARGET.match(target).group("path") if SECTION_TARGET.match(target) else target
-        if not path.endswith(".py"):
+        section = SECTION_TARGET.match(target)
+        if not (section.group("path") if section else target).endswith(".py"):
             continue
         lines = md.read_text(encoding="utf-8").splitlines()
         above, below = lines[number - 2].strip(), lines[number].strip() if number < len(lines) else ""

@@ -92,7 +92,6 @@ def physical_bound(prompt_lens: list[int], output_lens: list[int], num_steps: in
     K/V it reads once. Returns `bound_bytes` (an int), `bound_seconds` and
     `bound_output_tokens_per_s` (all output tokens over those seconds).
     """
-    # Output token i of a request (i = 0, 1, ...) attends to prompt_len + i tokens of context.
     context_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     total_bytes = num_steps * sizes["weight_bytes_per_step"] + context_tokens * sizes["kv_bytes_per_token"]
     seconds = total_bytes / (copy_gbps * 1e9)

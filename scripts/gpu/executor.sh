@@ -198,7 +198,7 @@ for part in $PARTS; do
     removal-bounds)  # batch 1/4 steps with one operator (or three) taken out (timing only: engine_variants.py)
       for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
         # shared-weights: every layer on layer 0's weights, resident in L2 (Qwen3's 31.5 MB layer fits,
-        # Llama's 64 MB does not): the layers with no weight from DRAM.
+        # Llama's 122 MB does not): the layers with no weight from DRAM.
         for v in default shared-weights no-attention no-rope no-norm no-rope+no-attention+no-norm shared-weights+no-attention; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
         done
