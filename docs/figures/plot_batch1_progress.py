@@ -4,9 +4,11 @@
 
 Chapter 05's batch-1 work, from the JSON each run wrote (nothing typed in by hand): the whole
 engine step over the weights-read floor measured in the same run, on the H200 (left) and on
-the H100s that later runs found (right), beside the target of 2.5×. The last bar on the H200
-is not a run: it is the budget estimate of "What 2.5× on the H200 would take", the step with
-every layer's weights already in L2, put together by `budget()` from four measured runs.
+the H100s that later runs found (right), beside the target of 2.5×. The last two bars on the
+H200 are not runs there: the step with every layer's weights already in L2 of "What 2.5× on the
+H200 would take", first as the estimate `budget()` puts together from four measured runs, then
+with the layers as measured that way on an H100 (`engine_variants.py shared-weights`, in
+`removal-bounds-h100-2026-12-07.json`) and the H200's own LM head and work outside the replay.
 `tests/test_batch1_budget.py` checks the chapter's numbers against `budget()`.
 """
 
@@ -39,7 +41,11 @@ H100_RUNS = [
     ("skinny GEMM\nfor every\none-token\nproduct", "skinny-one-token-h100-2026-12-07.json",
      "latency/latency-qwen3-0.6b-skinny-few=1-1"),
     ("2fdb400\n(adopted)", "skinny-one-token-h100-2026-12-07.json", "later_call_2fdb400/latency/latency-qwen3-0.6b-after-1"),
+    ("1cd2131", "removal-bounds-h100-2026-12-07.json", "removal_bounds/default"),
 ]
+# The removal bounds of `executor.sh PARTS=removal-bounds` (an H100, `1cd2131`): the engine as it is
+# and with every layer's weights in L2 (`engine_variants.py shared-weights`).
+REMOVAL_BOUNDS = "removal-bounds-h100-2026-12-07.json"
 QWEN3_LAYERS = 28
 QWEN3_LM_HEAD_BYTES = 151_936 * 1024 * 2  # vocabulary × hidden size × bf16 (shapes.py's qwen3-0.6b)
 
@@ -63,6 +69,11 @@ def budget() -> dict[str, float]:
     largest of them); a layer with every weight in L2 from chapter 06's chain of layers without
     attention, plus what the engine's layer costs beyond that chain in the same run; less what
     the skinny GEMM on gate_up later took off each layer (H100 replays).
+
+    Then the ceiling as measured (`*_measured`): an H100's replay with every layer on layer 0's
+    weights, over 28 layers, with the H200's LM head and work outside the replay as above; and
+    the same read from the H200's own layer, less the DRAM share the H100 run measured scaled
+    to the H200's bandwidth (`*_from_h200`).
     """
     h200 = latency_result("decode-split-h200-2026-12-04.json", "run_e573387/latency_default/qwen3-0.6b")
     floor_us = h200["points"][0]["floor_ms"] * 1e3
@@ -78,18 +89,43 @@ def budget() -> dict[str, float]:
     chain = l2["layers_us_per_layer"]["qwen3-0.6b"]
     engine_layer_us = l2["engine"]["qwen3-0.6b_batch1_replay_ms"]["off"] * 1e3 / QWEN3_LAYERS
     beyond_chain_us = engine_layer_us - chain["no prefetch"]
+    chain_saving_us = chain["no prefetch"] - chain["shared weights (in L2)"]
     skinny = "latency/latency-qwen3-0.6b-"
     gate_up_saving_us = (batch1("skinny-one-token-h100-2026-12-07.json", skinny + "default-1")["graph_replay_ms"]
                          - batch1("skinny-one-token-h100-2026-12-07.json", skinny + "skinny-few=1-1")["graph_replay_ms"]
                          ) * 1e3 / QWEN3_LAYERS
     l2_layer_us = chain["shared weights (in L2)"] + beyond_chain_us - gate_up_saving_us
     l2_step_us = QWEN3_LAYERS * l2_layer_us + lm_head_us + outside_us
+
+    # The ceiling measured: on an H100, every decoder layer on layer 0's weights (resident in
+    # L2), against the engine as it is in the same run. The replay is the forward pass alone
+    # (embedding, 28 layers, final norm); the LM head runs after it, outside the graph.
+    bounds = json.loads((DATA / REMOVAL_BOUNDS).read_text())["removal_bounds"]
+    shared, default = bounds["shared-weights"], bounds["default"]
+    shared_replay_us = shared["points"][0]["graph_replay_ms"] * 1e3
+    default_replay_us = default["points"][0]["graph_replay_ms"] * 1e3
+    l2_layer_measured_us = shared_replay_us / QWEN3_LAYERS
+    l2_saving_us = (default_replay_us - shared_replay_us) / QWEN3_LAYERS  # DRAM's share of an H100 layer
+    l2_step_measured_us = QWEN3_LAYERS * l2_layer_measured_us + lm_head_us + outside_us
+    # Read the other way: the H200's own layer (`e573387`) less the H100's DRAM share at the H200's bandwidth.
+    h200_dram_us = l2_saving_us * default["copy_GBps"] / h200["copy_GBps"]
+    h200_layer_us = h200["points"][0]["graph_replay_ms"] * 1e3 / QWEN3_LAYERS
+    l2_layer_from_h200_us = h200_layer_us - h200_dram_us
+    l2_step_from_h200_us = QWEN3_LAYERS * l2_layer_from_h200_us + lm_head_us + outside_us
     return {
         "floor": floor_us, "target": target_us, "lm_head": lm_head_us, "outside_replay": outside_us,
         "replay_budget": replay_budget_us, "layer_budget": replay_budget_us / QWEN3_LAYERS,
         "replay_measured": h200["points"][0]["graph_replay_ms"] * 1e3,
-        "beyond_chain": beyond_chain_us, "gate_up_saving": gate_up_saving_us,
+        "beyond_chain": beyond_chain_us, "gate_up_saving": gate_up_saving_us, "l2_saving_chain": chain_saving_us,
+        "l2_estimate_layer_as_is": engine_layer_us - gate_up_saving_us,
         "l2_layer": l2_layer_us, "l2_step": l2_step_us, "l2_step_over_floor": l2_step_us / floor_us,
+        "h100_replay_default": default_replay_us, "h100_replay_shared": shared_replay_us,
+        "h100_layer_default": default_replay_us / QWEN3_LAYERS, "l2_saving_measured": l2_saving_us,
+        "l2_layer_measured": l2_layer_measured_us, "l2_step_measured": l2_step_measured_us,
+        "l2_step_measured_over_floor": l2_step_measured_us / floor_us,
+        "h200_dram_measured": h200_dram_us, "h200_layer_predicted": l2_layer_measured_us + h200_dram_us,
+        "l2_layer_from_h200": l2_layer_from_h200_us, "l2_step_from_h200": l2_step_from_h200_us,
+        "l2_step_from_h200_over_floor": l2_step_from_h200_us / floor_us,
     }
 
 
@@ -101,7 +137,7 @@ def plot(out: Path) -> None:
 
     estimate = budget()
     fig, axes = plt.subplots(1, 2, figsize=(16, 4.8), sharey=True,
-                             gridspec_kw={"width_ratios": [len(H200_RUNS) + 1, len(H100_RUNS)]})
+                             gridspec_kw={"width_ratios": [len(H200_RUNS) + 2, len(H100_RUNS)]})
     panels = [(axes[0], "NVIDIA H200", H200_RUNS, "#3f51b5"), (axes[1], "NVIDIA H100", H100_RUNS, "#00897b")]
     for ax, gpu, runs, color in panels:
         points = [batch1(file, path) for _, file, path in runs]
@@ -111,11 +147,15 @@ def plot(out: Path) -> None:
         hatches = [""] * len(runs)
         texts = [f"{p['decode_step_ms']:.3f} ms\n{r:.2f}×" for p, r in zip(points, ratios)]
         if gpu == "NVIDIA H200":
-            ratios.append(estimate["l2_step_over_floor"])
-            labels.append("estimate:\nevery weight\nin L2")
-            colors.append("white")
-            hatches.append("//")
-            texts.append(f"{estimate['l2_step'] / 1e3:.3f} ms\n{estimate['l2_step_over_floor']:.2f}×")
+            # Not runs on the H200: the step with every layer's weights in L2, estimated from
+            # parts, then with the layers measured that way on an H100 (the same GH100 chip).
+            for key, label, hatch in [("l2_step", "estimate:\nevery weight\nin L2", "//"),
+                                      ("l2_step_measured", "every weight\nin L2, layers\nmeasured on\nan H100", "xx")]:
+                ratios.append(estimate[f"{key}_over_floor"])
+                labels.append(label)
+                colors.append("white")
+                hatches.append(hatch)
+                texts.append(f"{estimate[key] / 1e3:.3f} ms\n{estimate[f'{key}_over_floor']:.2f}×")
         bars = ax.bar(range(len(ratios)), ratios, color=colors, edgecolor=color, hatch=None)
         for bar, hatch, text in zip(bars, hatches, texts):
             bar.set_hatch(hatch)
@@ -135,6 +175,6 @@ def plot(out: Path) -> None:
 
 if __name__ == "__main__":
     for name, value in budget().items():
-        print(f"{name:>20}: {value:8.2f}")
+        print(f"{name:>28}: {value:8.2f}")
     plot(OUT)
     print(f"wrote {OUT}")
