@@ -57,7 +57,7 @@ def paged_problem(seq_lens, query_lens, num_kv_heads, group, head_dim, block_siz
 def test_registry_lists_every_kernel_with_a_reference():
     assert set(KERNELS) == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                             "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul",
-                            "skinny_gemm", "gumbel_sample", "argmax_sample",
+                            "skinny_gemm", "rms_norm_skinny_gemm", "gumbel_sample", "argmax_sample",
                             "unpack_step_inputs"}
     for name, (kernel, reference) in KERNELS.items():
         assert reference.__name__ == f"{kernel.__name__}_reference", name
@@ -315,6 +315,73 @@ def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
     assert rel_err(out, want) < 1e-4  # float32; the kernels sum in another order than torch
 
 
+@FAST
+@given(tokens=st.integers(1, 8), n=st.integers(1, 300), k=st.integers(1, 700), with_residual=st.booleans(),
+       with_bias=st.booleans(), block_k=st.sampled_from([64, None]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_skinny_gemm(tokens, n, k, with_residual, with_bias, block_k, dtype, seed):
+    """The add + RMSNorm inside the product against the norm kernel's reference, then the
+    product's. The new residual is the same sum the norm kernel stores: bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x, residual, weight = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((tokens, k), (tokens, k), (n, k)))
+    norm_weight, bias = (torch.rand(*shape, generator=g).add(0.5).to(dtype).to(DEVICE) for shape in ((k,), (n,)))
+    residual = residual if with_residual else None
+    bias = bias if with_bias else None
+    kernel, reference = KERNELS["rms_norm_skinny_gemm"]
+    # 64-wide slices: most drawn K end mid-slice, and the row's sum of squares spans several slices.
+    out, new_residual = kernel(x, residual, norm_weight, 1e-6, weight, bias, block_k=block_k)
+    want, want_residual = reference(x, residual, norm_weight, 1e-6, weight, bias)
+    assert out.shape == (tokens, n) and new_residual.shape == (tokens, k)
+    assert torch.equal(new_residual, want_residual)
+    if residual is None:
+        assert new_residual is x  # nothing to add: the input is the residual
+    # As in test_skinny_gemm, the error is measured against the size of the summed terms. The
+    # reference rounds the normalized row to the model dtype before the product and the kernel
+    # does not (it never stores it): a difference of that rounding, within TOLERANCE in bf16/fp16.
+    normed = reference(x, residual, norm_weight, 1e-6, torch.eye(k, dtype=dtype, device=DEVICE))[0]
+    terms = normed.float().abs() @ weight.float().abs().T + (bias.float().abs() if with_bias else 0)
+    assert ((out.float() - want.float()).abs() / terms.clamp_min(1e-30)).max() < TOLERANCE[dtype]
+
+
+def test_rms_norm_skinny_gemm_refuses_a_norm_of_another_width():
+    kernel, _ = KERNELS["rms_norm_skinny_gemm"]
+    x = torch.randn(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"norm weight has shape \(8,\), the product needs \(16,\)"):
+        kernel(x, None, torch.ones(8, device=DEVICE), 1e-6, torch.randn(4, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("tokens,with_residual", [(1, True), (1, False), (2, True)])
+def test_rms_norm_linear_on_the_kernels_matches_the_torch_code(monkeypatch, tokens, with_residual):
+    """`rms_norm_linear` on the kernels (on the CPU through Triton's interpreter): for one token
+    the product does the add and the norm (no norm kernel runs), for two the norm kernel runs
+    before it. Both match the torch code; the new residual bit for bit."""
+    import minivllm.models.layers.custom_ops as custom_ops
+    import minivllm.models.layers.norm as norm_module
+    from minivllm.models.layers.linear import MergedColumnParallelLinear
+    from minivllm.models.layers.norm import RMSNorm, rms_norm_linear
+
+    g = torch.Generator().manual_seed(tokens)
+    norm, proj = RMSNorm(48).to(DEVICE), MergedColumnParallelLinear(48, [40, 40]).to(DEVICE)
+    for param in (*norm.parameters(), *proj.parameters()):
+        param.data = torch.randn(param.shape, generator=g).to(DEVICE) * 0.3 + 1.0
+    x, residual = (torch.randn(tokens, 48, generator=g).to(DEVICE) for _ in range(2))
+    residual = residual if with_residual else None
+    want, want_residual = rms_norm_linear(norm, proj, x, residual)  # the torch code (no kernels on the CPU)
+    called = []
+    real_call_kernel = custom_ops.call_kernel
+    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: called.append(name) or real_call_kernel(name, *a, **kw))
+    monkeypatch.setattr(norm_module, "call_kernel", custom_ops.call_kernel)
+    for module in (custom_ops, norm_module):
+        monkeypatch.setattr(module, "use_triton_ops", lambda t: True)
+    out, new_residual = rms_norm_linear(norm, proj, x, residual)
+    if tokens == 1:
+        assert called == ["rms_norm_skinny_gemm"]
+    else:
+        assert called[0] == "fused_add_rms_norm" and "rms_norm_skinny_gemm" not in called
+    assert torch.equal(new_residual, want_residual)
+    assert rel_err(out, want) < 1e-4  # float32; the kernel sums in another order than torch
+
+
 def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
     from minivllm.kernels import SKINNY_MAX_TOKENS
 
@@ -545,14 +612,20 @@ def test_prefill_tiles_cover_every_query_once_heaviest_first():
     assert pairs == [(1, 0), (0, 64), (0, 32), (0, 0)]
 
 
-def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positions, kv, slots, bt, seq_lens, splits):
+def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positions, kv, slots, bt, seq_lens, splits,
+                 norm_in_product=False):
     """A decoder layer's kernels at batch 1, each reading the one before: norm, qkv product,
     RoPE writing the cache, decode attention over that cache (several splits, merged in
     the kernel), o product, norm, gate/up product, down product with SiLU-and-mul in it, and
-    the separate SiLU-and-mul kernel (summed into the output, to be checked too)."""
+    the separate SiLU-and-mul kernel (summed into the output, to be checked too). With
+    `norm_in_product`, the first norm is done inside the qkv product (its new residual is
+    stored by one program and read by the second norm, four kernels later)."""
     call = {name: kernel for name, (kernel, _) in KERNELS.items()}
-    h, residual = call["fused_add_rms_norm"](x, residual, w_norm, 1e-6)
-    qkv = call["skinny_gemm"](h, w_qkv)
+    if norm_in_product:
+        qkv, residual = call["rms_norm_skinny_gemm"](x, residual, w_norm, 1e-6, w_qkv)
+    else:
+        h, residual = call["fused_add_rms_norm"](x, residual, w_norm, 1e-6)
+        qkv = call["skinny_gemm"](h, w_qkv)
     q, k, v = qkv.view(1, 12, 128).split([8, 2, 2], dim=1)
     q, k = call["rotary_embedding"](positions, q, k, cos_sin, v, kv, slots)
     attn = call["paged_decode_attention"](q, kv, bt, seq_lens, 128**-0.5, max_seq_len=2048, num_splits=splits)
@@ -565,7 +638,8 @@ def _layer_chain(x, residual, w_norm, w_qkv, w_o, w_up, w_down, cos_sin, positio
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper (or newer) GPU")
-def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("norm_in_product", [False, True])
+def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatch, norm_in_product):
     """With PDL each kernel starts before the previous one ends and waits (gdc_wait) before
     reading its output. A kernel that read too early would see the previous step's values:
     the chain replayed in a CUDA graph, with new inputs each time, must give exactly what
@@ -591,7 +665,7 @@ def test_programmatic_dependent_launch_changes_no_bit_in_a_cuda_graph(monkeypatc
 
     def run(inputs, cache):
         return _layer_chain(inputs["x"], inputs["residual"], w_norm, w_qkv, w_o, w_up, w_down, cos_sin, inputs["positions"],
-                            cache, inputs["slots"], bt, inputs["seq_lens"], splits=16)
+                            cache, inputs["slots"], bt, inputs["seq_lens"], splits=16, norm_in_product=norm_in_product)
 
     monkeypatch.setenv("MINIVLLM_PDL", "1")
     assert pdl_enabled(torch.device("cuda"))

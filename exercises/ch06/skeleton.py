@@ -23,8 +23,10 @@ import triton.language as tl
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
+    norm_weight_ptr, residual_ptr, residual_out_ptr, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -48,6 +50,12 @@ def _skinny_gemm_kernel(
     rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
     computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
     would store it: the MLP's down projection then needs no activation kernel before it.
+    NORM (not part of the exercise either): the product's input is RMSNorm(h) with
+    h = x (+ residual, with HAS_RESIDUAL: added in float32, rounded to x's dtype, and stored
+    by program 0 as the new residual at residual_out_ptr; residual rows are contiguous). The
+    normalization is split around the weight stream instead of standing in front of it: the
+    slices multiply h * norm_weight, the sum of h² accumulates beside them, and the result is
+    scaled by 1 / sqrt(mean(h²) + eps) at the end (the scale is the same for the whole row).
     """
     raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked")
 

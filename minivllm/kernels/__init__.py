@@ -30,7 +30,13 @@ from minivllm.kernels.paged_attention import (
 )
 from minivllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 from minivllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
-from minivllm.kernels.gemm import SKINNY_MAX_TOKENS, skinny_gemm, skinny_gemm_reference
+from minivllm.kernels.gemm import (
+    SKINNY_MAX_TOKENS,
+    rms_norm_skinny_gemm,
+    rms_norm_skinny_gemm_reference,
+    skinny_gemm,
+    skinny_gemm_reference,
+)
 from minivllm.kernels.sampling import argmax_sample, argmax_sample_reference, gumbel_sample, gumbel_sample_reference
 from minivllm.kernels.step_inputs import unpack_step_inputs, unpack_step_inputs_reference
 from minivllm.kernels.rotary import (
@@ -50,6 +56,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "qk_norm_rotary_embedding": (qk_norm_rotary_embedding, qk_norm_rotary_embedding_reference),
     "silu_and_mul": (silu_and_mul, silu_and_mul_reference),
     "skinny_gemm": (skinny_gemm, skinny_gemm_reference),
+    "rms_norm_skinny_gemm": (rms_norm_skinny_gemm, rms_norm_skinny_gemm_reference),
     "gumbel_sample": (gumbel_sample, gumbel_sample_reference),
     "argmax_sample": (argmax_sample, argmax_sample_reference),
     "unpack_step_inputs": (unpack_step_inputs, unpack_step_inputs_reference),

@@ -13,6 +13,11 @@ multiply-adds in float32 (no tensor cores: with BLOCK_M of 1-8 they would mostly
 padding). Every program reads a disjoint set of weight rows, so there is no second pass to
 combine partial sums and the result does not depend on timing. `skinny_gemm_wins` says for
 which products the layers use it; cuBLAS keeps the others.
+
+`rms_norm_skinny_gemm` is the same kernel with the residual add and the RMSNorm before the
+product folded in: a norm scales a whole row by one number, so the product can multiply the
+un-normalized row into its weights and apply that number at the end, and the norm kernel
+before qkv and gate_up need not run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton.language as tl
 
 from minivllm.kernels._utils import next_power_of_2, pdl_enabled, pdl_launch_options
 from minivllm.kernels.activation import silu_and_mul_reference
+from minivllm.kernels.rms_norm import fused_add_rms_norm_reference
 
 # The largest token count the kernel is meant for; beyond it tensor-core GEMMs win.
 SKINNY_MAX_TOKENS = 8
@@ -44,8 +50,10 @@ def skinny_gemm_reference(
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
+    norm_weight_ptr, residual_ptr, residual_out_ptr, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -69,6 +77,12 @@ def _skinny_gemm_kernel(
     rows of x hold 2K elements, [gate | up], and the product's input is silu(gate) * up,
     computed here in float32 and rounded to x's dtype as the separate SiLU-and-mul kernel
     would store it: the MLP's down projection then needs no activation kernel before it.
+    NORM (not part of the exercise either): the product's input is RMSNorm(h) with
+    h = x (+ residual, with HAS_RESIDUAL: added in float32, rounded to x's dtype, and stored
+    by program 0 as the new residual at residual_out_ptr; residual rows are contiguous). The
+    normalization is split around the weight stream instead of standing in front of it: the
+    slices multiply h * norm_weight, the sum of h² accumulates beside them, and the result is
+    scaled by 1 / sqrt(mean(h²) + eps) at the end (the scale is the same for the whole row).
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -78,6 +92,11 @@ def _skinny_gemm_kernel(
     w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * K  # weight is [N, K], rows contiguous
     x_rows = x_ptr + offs_m[:, None] * x_stride
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if NORM:  # the norm's weight never changes either
+        norm_w = tl.load(norm_weight_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        residual_rows = residual_ptr + offs_m[:, None] * K
+        residual_out_rows = residual_out_ptr + offs_m[:, None] * K
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if USE_PDL:  # everything below may read what the previous kernel wrote
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -92,8 +111,20 @@ def _skinny_gemm_kernel(
             gate = a.to(tl.float32)
             up = tl.load(x_rows + K + k + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             a = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        next_k = k + BLOCK_K + offs_k  # the next slice's weights (all masked off after the last)
+        a = a.to(tl.float32)
+        next_k = k + BLOCK_K + offs_k  # the next slice (all masked off after the last)
+        if NORM:
+            row_mask = m_mask[:, None] & k_mask[None, :]
+            if HAS_RESIDUAL:  # the sum as the norm kernel rounds it; one program stores it
+                a = (a + tl.load(residual_rows + k + offs_k[None, :], mask=row_mask, other=0.0).to(tl.float32))
+                a = a.to(x_ptr.dtype.element_ty)
+                if tl.program_id(0) == 0:
+                    tl.store(residual_out_rows + k + offs_k[None, :], a, mask=row_mask)
+                a = a.to(tl.float32)
+            sum_sq += tl.sum(a * a, axis=1)
+            a = a * norm_w[None, :]
+            norm_w = tl.load(norm_weight_ptr + next_k, mask=next_k < K, other=0.0).to(tl.float32)
+        products = a[:, None, :] * w.to(tl.float32)[None, :, :]
         w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
         if SUM_EACH_SLICE:
             out += tl.sum(products, axis=2)
@@ -101,6 +132,8 @@ def _skinny_gemm_kernel(
             acc += products
     if not SUM_EACH_SLICE:
         out = tl.sum(acc, axis=2)
+    if NORM:
+        out = out * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride + offs_n[None, :]
@@ -146,6 +179,12 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 # --8<-- [end:skinny-gemm-wins]
 
 
+# The products of at most this many tokens that follow an RMSNorm do the norm themselves
+# (`rms_norm_skinny_gemm`), where the skinny GEMM takes them (chapter 06, "The norm inside the
+# product, beside the weight stream").
+NORM_IN_PRODUCT_MAX_TOKENS = 1
+
+
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -157,25 +196,79 @@ def skinny_gemm(
     is `(silu(gate) * up) @ weight.T`, SiLU-and-mul done inside the kernel.
     """
     n, k = weight.shape
-    x2 = x.reshape(-1, 2 * k if gated_input else k)
-    m = x2.shape[0]
-    if m > SKINNY_MAX_TOKENS:
-        raise ValueError(f"skinny_gemm is for at most {SKINNY_MAX_TOKENS} tokens, got {m}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, 2 * k if gated_input else k)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    _launch(x2, weight, bias, out, gated_input, None, block_n, block_k, num_warps, num_stages, sum_each_slice, use_pdl)
+    return out.view(*x.shape[:-1], n)
+
+
+def rms_norm_skinny_gemm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(RMSNorm(x + residual) @ weight.T (+ bias), x + residual)`: the norm kernel, then the product."""
+    normed, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return skinny_gemm_reference(normed, weight, bias), new_residual
+
+
+# --8<-- [start:rms-norm-skinny-gemm]
+def rms_norm_skinny_gemm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, block_k: int | None = None, use_pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the RMSNorm and the product after it, in one kernel: returns
+    `(RMSNorm(x + residual) @ weight.T (+ bias), x + residual)`; with `residual` None the
+    input is x and the second result is x itself.
+
+    The normalized row is never stored: each program multiplies (x + residual) * norm_weight
+    into its weight rows and scales its sums by the row's 1 / rms at the end. So it is not
+    rounded to the model dtype between the norm and the product, as it is between the two
+    kernels; the results agree to that rounding.
+    """
+    n, k = weight.shape
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight has shape {tuple(norm_weight.shape)}, the product needs ({k},)")
+    x2 = _rows(x, k)
+    residual_in = residual_out = None
+    if residual is not None:
+        residual_in = residual.reshape(-1, k).contiguous()  # the kernel steps K elements from row to row
+        residual_out = torch.empty_like(x2)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    _launch(x2, weight, bias, out, False, (norm_weight, eps, residual_in, residual_out), block_k=block_k, use_pdl=use_pdl)
+    return out.view(*x.shape[:-1], n), (x if residual is None else residual_out.view(x.shape))
+# --8<-- [end:rms-norm-skinny-gemm]
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [tokens, width] with unit stride along a row, for at most SKINNY_MAX_TOKENS tokens."""
+    x2 = x.reshape(-1, width)
+    if x2.shape[0] > SKINNY_MAX_TOKENS:
+        raise ValueError(f"skinny_gemm is for at most {SKINNY_MAX_TOKENS} tokens, got {x2.shape[0]}")
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, gated_input: bool,
+    norm: tuple | None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, sum_each_slice: bool | None = None, use_pdl: bool | None = None,
+) -> None:
+    """One launch of the skinny GEMM kernel; `norm` is (norm weight, eps, residual, residual out) or None."""
+    m, (n, k) = x2.shape[0], weight.shape
+    if m == 0:
+        return
     weight = weight.contiguous()  # the kernel steps K elements from row to row
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tile = skinny_tile(m)
     block_n = block_n or tile[0]
     block_k = min(block_k or tile[1], next_power_of_2(k))  # a slice wider than K only adds masked lanes
     num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
     sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
-    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
-    if m > 0:
-        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-            x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input, num_warps=num_warps, num_stages=num_stages,
-            **pdl_launch_options(use_pdl),
-        )
-    return out.view(*x.shape[:-1], n)
+    use_pdl = pdl_enabled(x2.device) if use_pdl is None else use_pdl
+    norm_weight, eps, residual, residual_out = norm if norm is not None else (weight, 0.0, None, None)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
+        norm_weight, residual if residual is not None else x2, residual_out if residual_out is not None else x2, eps,
+        HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch_options(use_pdl),
+    )

@@ -21,7 +21,7 @@ from minivllm.models.layers.attention import Attention
 from minivllm.models.layers.custom_ops import skinny_gemm_applies
 from minivllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.models.layers.norm import RMSNorm
+from minivllm.models.layers.norm import RMSNorm, rms_norm_linear
 from minivllm.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -54,7 +54,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the qkv product (the decoder layer runs that product with its norm)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -79,7 +82,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul and the down product (the decoder layer runs gate_up with its norm)."""
         # A few tokens on CUDA: the down product's skinny kernel does SiLU-and-mul itself.
         down_input = gate_up[..., : self.down_proj.weight.shape[1]]  # the shape the product sees
         if skinny_gemm_applies(down_input, self.down_proj.weight):
@@ -99,14 +105,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pre-norm with the residual add fused into each norm: x + f(norm(x)), twice.
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Pre-norm, x + f(norm(x)) twice; each residual add and norm goes with the product after
+        # it (one kernel for a few tokens on CUDA, the fused add + RMSNorm and the product otherwise).
+        qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
+        hidden_states = self.self_attn.attend(positions, qkv)
+        gate_up, residual = rms_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden_states, residual)
+        return self.mlp.down(gate_up), residual
 # --8<-- [end:llama-decoder-layer]
 
 

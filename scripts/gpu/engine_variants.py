@@ -13,6 +13,8 @@ second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-few=T` (the skinny
 GEMM for every product of at most T tokens, gate_up included, the default rule for more),
+`norm-in-product=T` (the add + RMSNorm
+before qkv and gate_up done inside the skinny GEMM for products of at most T tokens; 0: never),
 `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
@@ -119,6 +121,13 @@ def apply(part: str) -> None:
         from minivllm.models.layers.norm import RMSNorm
 
         RMSNorm.forward = lambda self, x, residual=None: x if residual is None else (x, residual)
+        import minivllm.models.llama as llama  # the norms that go with the product after them
+
+        llama.rms_norm_linear = lambda norm, proj, x, residual: (proj(x), x if residual is None else residual)
+    elif part.startswith("norm-in-product="):  # the pre-norm inside the product for at most T tokens (0: never)
+        import minivllm.kernels.gemm as gemm
+
+        gemm.NORM_IN_PRODUCT_MAX_TOKENS = int(part.removeprefix("norm-in-product="))
     elif part == "shared-weights":  # timing only: every decoder layer reads layer 0's weights, which stay in L2
         import minivllm.executor.model_runner as runner
 

@@ -32,6 +32,8 @@
 # removal-bounds (batch 1/4 steps as it is, with every layer's weights in L2, and with RoPE, attention,
 # the norms and all three taken out, timing only: each operator's share of the step). trees-latency (batch 1/4 steps of
 # each tree in TREES, "name=path name=path", interleaved ROUNDS times: a clean before/after).
+# norm-in-product (batch 1/2/4 steps with the add + RMSNorm before qkv and gate_up inside those
+# products at one token, and with the norm kernel, interleaved ROUNDS times).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -201,6 +203,14 @@ for part in $PARTS; do
         # Llama's 122 MB does not): the layers with no weight from DRAM.
         for v in default shared-weights no-attention no-rope no-norm no-rope+no-attention+no-norm shared-weights+no-attention; do
           VARIANT=$v bench "latency-$shape-$v" latency --shape $shape --batch-sizes 1,4 --num-iters 5 --async-scheduling
+        done
+      done ;;
+    norm-in-product)  # batch 1/2/4 steps with the pre-norms inside qkv and gate_up (one token) and without, interleaved
+      for round in $(seq ${ROUNDS:-1}); do
+        for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+          for v in norm-in-product=0 norm-in-product=1; do
+            VARIANT=$v bench "latency-$shape-$v-$round" latency --shape $shape --batch-sizes 1,2,4 --num-iters 5 --async-scheduling
+          done
         done
       done ;;
     trees-latency)  # batch 1/4 steps of each tree in TREES, interleaved (each logs where minivllm came from)

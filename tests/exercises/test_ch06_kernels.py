@@ -294,8 +294,10 @@ def run_skinny_gemm_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     out = out_buffer[:m, :n]
     gemm._skinny_gemm_kernel[(-(-n // block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), out.stride(0),
+        weight, x, x, 0.0,  # the norm's pointers and eps, unused without NORM
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUM_EACH_SLICE=sum_each_slice,
         USE_PDL=False, GATED=False,  # one launch: nothing to overlap; no SiLU-and-mul before the product
+        NORM=False, HAS_RESIDUAL=False,  # no RMSNorm inside the product
     )
     outside = torch.ones_like(out_buffer, dtype=torch.bool)
     outside[:m, :n] = False

@@ -37,6 +37,14 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return skinny_gemm_wins(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
 
 
+def norm_in_product_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the RMSNorm before `x @ weight.T` is done inside the skinny GEMM: for the
+    products it takes, of at most NORM_IN_PRODUCT_MAX_TOKENS tokens."""
+    from minivllm.kernels.gemm import NORM_IN_PRODUCT_MAX_TOKENS
+
+    return x.numel() // x.shape[-1] <= NORM_IN_PRODUCT_MAX_TOKENS and skinny_gemm_applies(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False) -> torch.Tensor:
     """`F.linear`, or on CUDA the skinny GEMM kernel for the 1-4 token products it wins.
 
