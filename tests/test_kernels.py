@@ -382,6 +382,28 @@ def test_rms_norm_linear_on_the_kernels_matches_the_torch_code(monkeypatch, toke
     assert rel_err(out, want) < 1e-4  # float32; the kernel sums in another order than torch
 
 
+def test_the_norm_goes_into_the_product_only_where_it_was_measured_faster():
+    """`norm_in_product_wins` against the recorded engine runs (an H100, the norm inside every
+    one-token product after it, and not): faster for Qwen3-0.6B's one-slice products (K = 1,024)
+    in every run, slower for Llama-3.2-1B's two-slice ones (K = 2,048)."""
+    import json
+    from pathlib import Path
+
+    from minivllm.kernels.gemm import norm_in_product_wins
+
+    data = json.loads((Path(__file__).resolve().parent.parent / "docs" / "data" / "norm-in-product-h100-2026-12-08.json").read_text())
+    runs = {**data["first_call"], **{f"{k}-second": v for k, v in data["second_call_qwen3"].items()}}
+
+    def replay(shape, variant, suffix):
+        return runs[f"latency-{shape}-norm-in-product={variant}-{suffix}"]["points"][0]["graph_replay_ms"]
+
+    for suffix in ("1", "1-second", "2-second"):
+        assert replay("qwen3-0.6b", 1, suffix) < replay("qwen3-0.6b", 0, suffix), suffix
+    assert replay("llama-3.2-1b", 1, "1") > replay("llama-3.2-1b", 0, "1")
+    assert norm_in_product_wins(1, 1024) and not norm_in_product_wins(1, 2048)
+    assert not norm_in_product_wins(2, 1024)  # two tokens: qkv and gate_up go to cuBLAS, with the norm kernel
+
+
 def test_skinny_gemm_refuses_more_tokens_than_it_is_for():
     from minivllm.kernels import SKINNY_MAX_TOKENS
 

@@ -14,7 +14,8 @@ second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-few=T` (the skinny
 GEMM for every product of at most T tokens, gate_up included, the default rule for more),
 `norm-in-product=T` (the add + RMSNorm
-before qkv and gate_up done inside the skinny GEMM for products of at most T tokens; 0: never),
+before qkv and gate_up done inside the skinny GEMM for every product of at most T tokens,
+whatever its K; 0: never),
 `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
@@ -128,6 +129,7 @@ def apply(part: str) -> None:
         import minivllm.kernels.gemm as gemm
 
         gemm.NORM_IN_PRODUCT_MAX_TOKENS = int(part.removeprefix("norm-in-product="))
+        gemm.NORM_IN_PRODUCT_MAX_K = 1 << 62  # whatever the product's K (the rule adopted keeps one slice)
     elif part == "shared-weights":  # timing only: every decoder layer reads layer 0's weights, which stay in L2
         import minivllm.executor.model_runner as runner
 

@@ -39,10 +39,12 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def norm_in_product_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the RMSNorm before `x @ weight.T` is done inside the skinny GEMM: for the
-    products it takes, of at most NORM_IN_PRODUCT_MAX_TOKENS tokens."""
-    from minivllm.kernels.gemm import NORM_IN_PRODUCT_MAX_TOKENS
+    products it takes where that was measured faster (`norm_in_product_wins`)."""
+    if not skinny_gemm_applies(x, weight):
+        return False
+    from minivllm.kernels.gemm import norm_in_product_wins
 
-    return x.numel() // x.shape[-1] <= NORM_IN_PRODUCT_MAX_TOKENS and skinny_gemm_applies(x, weight)
+    return norm_in_product_wins(x.numel() // x.shape[-1], weight.shape[1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated_input: bool = False) -> torch.Tensor:
