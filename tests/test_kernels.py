@@ -287,6 +287,20 @@ def test_skinny_gemm(tokens, n, k, with_bias, sum_each_slice, gated, dtype, seed
     assert ((out.float() - want.float()).abs() / terms.clamp_min(1e-30)).max() < TOLERANCE[dtype]
 
 
+def _use_kernels_on_the_cpu(monkeypatch, layer_module) -> list[str]:
+    """Make the model layers (custom_ops and `layer_module`) take their Triton kernels on the
+    CPU, through the interpreter; returns the list the names of the kernels called go into."""
+    import minivllm.models.layers.custom_ops as custom_ops
+
+    called = []
+    real_call_kernel = custom_ops.call_kernel
+    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: called.append(name) or real_call_kernel(name, *a, **kw))
+    monkeypatch.setattr(layer_module, "call_kernel", custom_ops.call_kernel)
+    for module in (custom_ops, layer_module):
+        monkeypatch.setattr(module, "use_triton_ops", lambda t: True)
+    return called
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
     """LlamaMLP on the kernels (on the CPU through Triton's interpreter): for up to 4 tokens
@@ -295,7 +309,6 @@ def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
     from types import SimpleNamespace
 
     import minivllm.models.layers.activation as activation
-    import minivllm.models.layers.custom_ops as custom_ops
     from minivllm.models.llama import LlamaMLP
 
     g = torch.Generator().manual_seed(tokens)
@@ -304,12 +317,7 @@ def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
         param.data = torch.randn(param.shape, generator=g).to(DEVICE) * 0.3
     x = torch.randn(tokens, 48, generator=g).to(DEVICE)
     want = mlp(x)  # the torch code (no kernels on the CPU)
-    called = []
-    real_call_kernel = custom_ops.call_kernel
-    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: called.append(name) or real_call_kernel(name, *a, **kw))
-    monkeypatch.setattr(activation, "call_kernel", custom_ops.call_kernel)
-    for module in (custom_ops, activation):
-        monkeypatch.setattr(module, "use_triton_ops", lambda t: True)
+    called = _use_kernels_on_the_cpu(monkeypatch, activation)
     out = mlp(x)
     assert ("silu_and_mul" in called) == (tokens > 4)
     assert rel_err(out, want) < 1e-4  # float32; the kernels sum in another order than torch
@@ -355,7 +363,6 @@ def test_rms_norm_linear_on_the_kernels_matches_the_torch_code(monkeypatch, toke
     """`rms_norm_linear` on the kernels (on the CPU through Triton's interpreter): for one token
     the product does the add and the norm (no norm kernel runs), for two the norm kernel runs
     before it. Both match the torch code; the new residual bit for bit."""
-    import minivllm.models.layers.custom_ops as custom_ops
     import minivllm.models.layers.norm as norm_module
     from minivllm.models.layers.linear import MergedColumnParallelLinear
     from minivllm.models.layers.norm import RMSNorm, rms_norm_linear
@@ -367,12 +374,7 @@ def test_rms_norm_linear_on_the_kernels_matches_the_torch_code(monkeypatch, toke
     x, residual = (torch.randn(tokens, 48, generator=g).to(DEVICE) for _ in range(2))
     residual = residual if with_residual else None
     want, want_residual = rms_norm_linear(norm, proj, x, residual)  # the torch code (no kernels on the CPU)
-    called = []
-    real_call_kernel = custom_ops.call_kernel
-    monkeypatch.setattr(custom_ops, "call_kernel", lambda name, *a, **kw: called.append(name) or real_call_kernel(name, *a, **kw))
-    monkeypatch.setattr(norm_module, "call_kernel", custom_ops.call_kernel)
-    for module in (custom_ops, norm_module):
-        monkeypatch.setattr(module, "use_triton_ops", lambda t: True)
+    called = _use_kernels_on_the_cpu(monkeypatch, norm_module)
     out, new_residual = rms_norm_linear(norm, proj, x, residual)
     if tokens == 1:
         assert called == ["rms_norm_skinny_gemm"]
