@@ -32,10 +32,11 @@ SIGNATURE = {
 REGISTERS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 32
 
 
-def compile_variant(norm: bool, residual: bool, gated: bool = False) -> bytes:
+def compile_variant(norm: bool, residual: bool, gated: bool = False, norm_weight_ahead: bool = True) -> bytes:
     block_n, block_k, num_warps, num_stages, sum_each_slice = SKINNY_TILE_FEW_TOKENS
     constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                  "SUM_EACH_SLICE": sum_each_slice, "USE_PDL": True, "GATED": gated, "NORM": norm, "HAS_RESIDUAL": residual}
+                  "SUM_EACH_SLICE": sum_each_slice, "USE_PDL": True, "GATED": gated, "NORM": norm, "HAS_RESIDUAL": residual,
+                  "NORM_WEIGHT_AHEAD": norm and norm_weight_ahead}
     names = list(SIGNATURE) + list(constexprs)
     source = ASTSource(fn=_skinny_gemm_kernel, signature={**SIGNATURE, **{name: "constexpr" for name in constexprs}},
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
@@ -62,11 +63,14 @@ def main() -> None:
     num_warps = SKINNY_TILE_FEW_TOKENS[2]
     print(f"triton {triton.__version__}, sm_90a, one-token tile {SKINNY_TILE_FEW_TOKENS[:2]}, {num_warps} warps")
     print(f"{'variant':<42} {'registers':>9} {'programs / SM':>14}")
-    for label, norm, residual, gated in [("the product alone", False, False, False),
-                                         ("SiLU-and-mul inside (down)", False, False, True),
-                                         ("RMSNorm inside, no residual (layer 0)", True, False, False),
-                                         ("add + RMSNorm inside (qkv, gate_up)", True, True, False)]:
-        regs = registers(compile_variant(norm, residual, gated))
+    for label, norm, residual, gated, ahead in [
+        ("the product alone", False, False, False, True),
+        ("SiLU-and-mul inside (down)", False, False, True, True),
+        ("RMSNorm inside, no residual (layer 0)", True, False, False, True),
+        ("add + RMSNorm inside (qkv, gate_up)", True, True, False, True),
+        ("add + RMSNorm, norm weight at use", True, True, False, False),
+    ]:
+        regs = registers(compile_variant(norm, residual, gated, ahead))
         print(f"{label:<42} {regs:>9} {programs_per_sm(regs, num_warps):>14}")
 
 

@@ -325,9 +325,9 @@ def test_mlp_block_on_the_kernels_matches_the_torch_block(monkeypatch, tokens):
 
 @FAST
 @given(tokens=st.integers(1, 8), n=st.integers(1, 300), k=st.integers(1, 700), with_residual=st.booleans(),
-       with_bias=st.booleans(), block_k=st.sampled_from([64, None]), dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
-def test_rms_norm_skinny_gemm(tokens, n, k, with_residual, with_bias, block_k, dtype, seed):
+       with_bias=st.booleans(), block_k=st.sampled_from([64, None]), norm_weight_ahead=st.booleans(),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_rms_norm_skinny_gemm(tokens, n, k, with_residual, with_bias, block_k, norm_weight_ahead, dtype, seed):
     """The add + RMSNorm inside the product against the norm kernel's reference, then the
     product's. The new residual is the same sum the norm kernel stores: bit for bit."""
     g = torch.Generator().manual_seed(seed)
@@ -337,7 +337,8 @@ def test_rms_norm_skinny_gemm(tokens, n, k, with_residual, with_bias, block_k, d
     bias = bias if with_bias else None
     kernel, reference = KERNELS["rms_norm_skinny_gemm"]
     # 64-wide slices: most drawn K end mid-slice, and the row's sum of squares spans several slices.
-    out, new_residual = kernel(x, residual, norm_weight, 1e-6, weight, bias, block_k=block_k)
+    out, new_residual = kernel(x, residual, norm_weight, 1e-6, weight, bias, block_k=block_k,
+                               norm_weight_ahead=norm_weight_ahead)
     want, want_residual = reference(x, residual, norm_weight, 1e-6, weight, bias)
     assert out.shape == (tokens, n) and new_residual.shape == (tokens, k)
     assert torch.equal(new_residual, want_residual)

@@ -26,7 +26,7 @@ def _skinny_gemm_kernel(
     norm_weight_ptr, residual_ptr, residual_out_ptr, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT_AHEAD: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -56,6 +56,9 @@ def _skinny_gemm_kernel(
     normalization is split around the weight stream instead of standing in front of it: the
     slices multiply h * norm_weight, the sum of h² accumulates beside them, and the result is
     scaled by 1 / sqrt(mean(h²) + eps) at the end (the scale is the same for the whole row).
+    NORM_WEIGHT_AHEAD: the norm weight's slices are loaded one ahead, like the weights, in
+    float32 (the first before the wait); without it each is loaded where it is used, which
+    holds fewer registers.
     """
     raise NotImplementedError("ch06-skinny-gemm: rows n = pid*BLOCK_N + arange; load w for slice 0, then (USE_PDL) gdc_wait; per K slice load x [BLOCK_M, BLOCK_K] (masked, 0), acc += x[:, None, :] * w[None, :, :] in fp32, load the next slice's w; sum over k (+ bias); store masked")
 

@@ -53,7 +53,7 @@ def _skinny_gemm_kernel(
     norm_weight_ptr, residual_ptr, residual_out_ptr, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUM_EACH_SLICE: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT_AHEAD: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for this program's BLOCK_N rows n.
 
@@ -83,6 +83,9 @@ def _skinny_gemm_kernel(
     normalization is split around the weight stream instead of standing in front of it: the
     slices multiply h * norm_weight, the sum of h² accumulates beside them, and the result is
     scaled by 1 / sqrt(mean(h²) + eps) at the end (the scale is the same for the whole row).
+    NORM_WEIGHT_AHEAD: the norm weight's slices are loaded one ahead, like the weights, in
+    float32 (the first before the wait); without it each is loaded where it is used, which
+    holds fewer registers.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -92,8 +95,9 @@ def _skinny_gemm_kernel(
     w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * K  # weight is [N, K], rows contiguous
     x_rows = x_ptr + offs_m[:, None] * x_stride
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    if NORM:  # the norm's weight never changes either
-        norm_w = tl.load(norm_weight_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    if NORM:
+        if NORM_WEIGHT_AHEAD:  # the norm's weight never changes either
+            norm_w = tl.load(norm_weight_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         residual_rows = residual_ptr + offs_m[:, None] * K
         residual_out_rows = residual_out_ptr + offs_m[:, None] * K
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -122,8 +126,11 @@ def _skinny_gemm_kernel(
                     tl.store(residual_out_rows + k + offs_k[None, :], a, mask=row_mask)
                 a = a.to(tl.float32)
             sum_sq += tl.sum(a * a, axis=1)
-            a = a * norm_w[None, :]
-            norm_w = tl.load(norm_weight_ptr + next_k, mask=next_k < K, other=0.0).to(tl.float32)
+            if NORM_WEIGHT_AHEAD:
+                a = a * norm_w[None, :]
+                norm_w = tl.load(norm_weight_ptr + next_k, mask=next_k < K, other=0.0).to(tl.float32)
+            else:
+                a = a * tl.load(norm_weight_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         products = a[:, None, :] * w.to(tl.float32)[None, :, :]
         w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
         if SUM_EACH_SLICE:
@@ -183,6 +190,9 @@ def skinny_gemm_wins(num_tokens: int, n: int, k: int) -> bool:
 # this many tokens, with at most this many input features (one slice of the 1-2 token tile).
 NORM_IN_PRODUCT_MAX_TOKENS = 1
 NORM_IN_PRODUCT_MAX_K = SKINNY_TILE_FEW_TOKENS[1]
+# The norm weight's slices loaded one ahead (as measured) or where they are used (fewer
+# registers, not yet timed: chapter 06; `scripts/gpu/engine_variants.py norm-weight-at-use`).
+NORM_WEIGHT_LOADED_AHEAD = True
 
 
 # --8<-- [start:norm-in-product-wins]
@@ -228,6 +238,7 @@ def rms_norm_skinny_gemm_reference(
 def rms_norm_skinny_gemm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, block_k: int | None = None, use_pdl: bool | None = None,
+    norm_weight_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, the RMSNorm and the product after it, in one kernel: returns
     `(RMSNorm(x + residual) @ weight.T (+ bias), x + residual)`; with `residual` None the
@@ -247,7 +258,8 @@ def rms_norm_skinny_gemm(
         residual_in = residual.reshape(-1, k).contiguous()  # the kernel steps K elements from row to row
         residual_out = torch.empty_like(x2)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    _launch(x2, weight, bias, out, False, (norm_weight, eps, residual_in, residual_out), block_k=block_k, use_pdl=use_pdl)
+    ahead = NORM_WEIGHT_LOADED_AHEAD if norm_weight_ahead is None else norm_weight_ahead
+    _launch(x2, weight, bias, out, False, (norm_weight, eps, residual_in, residual_out, ahead), block_k=block_k, use_pdl=use_pdl)
     return out.view(*x.shape[:-1], n), (x if residual is None else residual_out.view(x.shape))
 # --8<-- [end:rms-norm-skinny-gemm]
 
@@ -265,7 +277,8 @@ def _launch(
     norm: tuple | None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, sum_each_slice: bool | None = None, use_pdl: bool | None = None,
 ) -> None:
-    """One launch of the skinny GEMM kernel; `norm` is (norm weight, eps, residual, residual out) or None."""
+    """One launch of the skinny GEMM kernel; `norm` is (norm weight, eps, residual, residual out,
+    norm weight loaded ahead) or None."""
     m, (n, k) = x2.shape[0], weight.shape
     if m == 0:
         return
@@ -276,12 +289,12 @@ def _launch(
     num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
     sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
     use_pdl = pdl_enabled(x2.device) if use_pdl is None else use_pdl
-    norm_weight, eps, residual, residual_out = norm if norm is not None else (weight, 0.0, None, None)
+    norm_weight, eps, residual, residual_out, ahead = norm if norm is not None else (weight, 0.0, None, None, False)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
         norm_weight, residual if residual is not None else x2, residual_out if residual_out is not None else x2, eps,
         HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_WEIGHT_AHEAD=ahead, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_options(use_pdl),
     )

@@ -15,7 +15,8 @@ skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-few=T`
 GEMM for every product of at most T tokens, gate_up included, the default rule for more),
 `norm-in-product=T` (the add + RMSNorm
 before qkv and gate_up done inside the skinny GEMM for every product of at most T tokens,
-whatever its K; 0: never),
+whatever its K; 0: never), `norm-weight-at-use` (that norm's weight loaded in each slice where it
+is used, not one slice ahead: fewer registers),
 `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
@@ -130,6 +131,10 @@ def apply(part: str) -> None:
 
         gemm.NORM_IN_PRODUCT_MAX_TOKENS = int(part.removeprefix("norm-in-product="))
         gemm.NORM_IN_PRODUCT_MAX_K = 1 << 62  # whatever the product's K (the rule adopted keeps one slice)
+    elif part == "norm-weight-at-use":  # the norm inside the product loads its weight where it is used
+        import minivllm.kernels.gemm as gemm
+
+        gemm.NORM_WEIGHT_LOADED_AHEAD = False
     elif part == "shared-weights":  # timing only: every decoder layer reads layer 0's weights, which stay in L2
         import minivllm.executor.model_runner as runner
 

@@ -33,7 +33,8 @@
 # the norms and all three taken out, timing only: each operator's share of the step). trees-latency (batch 1/4 steps of
 # each tree in TREES, "name=path name=path", interleaved ROUNDS times: a clean before/after).
 # norm-in-product (batch 1/2/4 steps with the add + RMSNorm before qkv and gate_up inside those
-# products at one token, and with the norm kernel, interleaved ROUNDS times).
+# products at one token, and with the norm kernel, interleaved ROUNDS times). norm-lean (the
+# same, with a third variant: the norm weight loaded where it is used, fewer registers).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
@@ -209,6 +210,14 @@ for part in $PARTS; do
       for round in $(seq ${ROUNDS:-1}); do
         for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
           for v in norm-in-product=0 norm-in-product=1; do
+            VARIANT=$v bench "latency-$shape-$v-$round" latency --shape $shape --batch-sizes 1,2,4 --num-iters 5 --async-scheduling
+          done
+        done
+      done ;;
+    norm-lean)  # the norm inside every one-token product, its weight loaded ahead and at use, and the norm kernel
+      for round in $(seq ${ROUNDS:-1}); do
+        for shape in ${INPUT_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
+          for v in norm-in-product=0 norm-in-product=1 norm-in-product=1+norm-weight-at-use; do
             VARIANT=$v bench "latency-$shape-$v-$round" latency --shape $shape --batch-sizes 1,2,4 --num-iters 5 --async-scheduling
           done
         done

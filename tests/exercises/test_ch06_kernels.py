@@ -297,7 +297,7 @@ def run_skinny_gemm_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         weight, x, x, 0.0,  # the norm's pointers and eps, unused without NORM
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUM_EACH_SLICE=sum_each_slice,
         USE_PDL=False, GATED=False,  # one launch: nothing to overlap; no SiLU-and-mul before the product
-        NORM=False, HAS_RESIDUAL=False,  # no RMSNorm inside the product
+        NORM=False, HAS_RESIDUAL=False, NORM_WEIGHT_AHEAD=False,  # no RMSNorm inside the product
     )
     outside = torch.ones_like(out_buffer, dtype=torch.bool)
     outside[:m, :n] = False
