@@ -42,6 +42,9 @@ H100_RUNS = [
      "latency/latency-qwen3-0.6b-skinny-few=1-1"),
     ("2fdb400\n(adopted)", "skinny-one-token-h100-2026-12-07.json", "later_call_2fdb400/latency/latency-qwen3-0.6b-after-1"),
     ("1cd2131", "removal-bounds-h100-2026-12-07.json", "removal_bounds/default"),
+    # The median of the three runs with the norm inside qkv and gate_up (0.994, 0.995, 1.011 ms).
+    ("norm inside\nqkv, gate_up\n(3b11319,\nadopted)", "norm-in-product-h100-2026-12-08.json",
+     "second_call_qwen3/latency-qwen3-0.6b-norm-in-product=1-2"),
 ]
 # The removal bounds of `executor.sh PARTS=removal-bounds` (an H100, `1cd2131`): the engine as it is
 # and with every layer's weights in L2 (`engine_variants.py shared-weights`).
