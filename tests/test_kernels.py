@@ -385,6 +385,42 @@ def test_rms_norm_linear_on_the_kernels_matches_the_torch_code(monkeypatch, toke
     assert rel_err(out, want) < 1e-4  # float32; the kernel sums in another order than torch
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="forces the kernels on the CPU, through Triton's interpreter")
+def test_a_model_decodes_the_same_tokens_with_the_norm_inside_its_products(monkeypatch, tmp_path):
+    """A tiny Qwen3 through the engine, its products and norms on the kernels: one request, so
+    every decode step has one token and each layer's two pre-norms go inside qkv and gate_up
+    (layer 0's first one with no residual to add). The greedy tokens equal those with the norm
+    kernel before each product."""
+    import minivllm.kernels.gemm as gemm
+    import minivllm.models.layers.norm as norm_module
+    from hf_reference import make_tiny_model
+    from minivllm import LLM, SamplingParams
+
+    folder = make_tiny_model("qwen3", tmp_path)
+    called = _use_kernels_on_the_cpu(monkeypatch, norm_module)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False)
+
+    def greedy() -> list[int]:
+        llm = LLM(str(folder), skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=64,
+                  num_gpu_blocks_override=16)
+        # A fresh checkpoint's norm weights are all ones: make them matter.
+        g = torch.Generator().manual_seed(0)
+        for module in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules():
+            if isinstance(module, norm_module.RMSNorm):
+                module.weight.data = torch.rand(module.weight.shape, generator=g) + 0.5
+        return llm.generate([{"prompt_token_ids": [5, 17, 42, 7, 99, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    monkeypatch.setattr(gemm, "NORM_IN_PRODUCT_MAX_TOKENS", 0)
+    with_norm_kernel = greedy()
+    assert "rms_norm_skinny_gemm" not in called
+    monkeypatch.setattr(gemm, "NORM_IN_PRODUCT_MAX_TOKENS", 1)
+    called.clear()
+    assert greedy() == with_norm_kernel
+    # 4 one-token decode steps (the prefill's 6 tokens keep the norm kernel), 2 layers, 2 norms each.
+    assert called.count("rms_norm_skinny_gemm") == 4 * 2 * 2
+
+
 def test_the_norm_goes_into_the_product_only_where_it_was_measured_faster():
     """`norm_in_product_wins` against the recorded engine runs (an H100, the norm inside every
     one-token product after it, and not): faster for Qwen3-0.6B's one-slice products (K = 1,024)
