@@ -22,6 +22,8 @@ before qkv and gate_up need not run.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -259,7 +261,8 @@ def rms_norm_skinny_gemm(
         residual_out = torch.empty_like(x2)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     ahead = NORM_WEIGHT_LOADED_AHEAD if norm_weight_ahead is None else norm_weight_ahead
-    _launch(x2, weight, bias, out, False, (norm_weight, eps, residual_in, residual_out, ahead), block_k=block_k, use_pdl=use_pdl)
+    norm = _NormInput(norm_weight, eps, residual_in, residual_out, ahead)
+    _launch(x2, weight, bias, out, False, norm, block_k=block_k, use_pdl=use_pdl)
     return out.view(*x.shape[:-1], n), (x if residual is None else residual_out.view(x.shape))
 # --8<-- [end:rms-norm-skinny-gemm]
 
@@ -272,13 +275,22 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+class _NormInput(NamedTuple):
+    """What the kernel needs to do the add + RMSNorm before its product (`NORM`)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None  # None: no residual to add
+    residual_out: torch.Tensor | None
+    weight_ahead: bool  # NORM_WEIGHT_AHEAD
+
+
 def _launch(
     x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, gated_input: bool,
-    norm: tuple | None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+    norm: _NormInput | None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, sum_each_slice: bool | None = None, use_pdl: bool | None = None,
 ) -> None:
-    """One launch of the skinny GEMM kernel; `norm` is (norm weight, eps, residual, residual out,
-    norm weight loaded ahead) or None."""
+    """One launch of the skinny GEMM kernel, with the norm before its product when `norm` is given."""
     m, (n, k) = x2.shape[0], weight.shape
     if m == 0:
         return
@@ -289,12 +301,15 @@ def _launch(
     num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
     sum_each_slice = tile[4] if sum_each_slice is None else sum_each_slice
     use_pdl = pdl_enabled(x2.device) if use_pdl is None else use_pdl
-    norm_weight, eps, residual, residual_out, ahead = norm if norm is not None else (weight, 0.0, None, None, False)
+    with_norm = norm is not None
+    norm = norm or _NormInput(weight, 0.0, None, None, False)  # pointers the kernel leaves unread without NORM
+    residual, residual_out = norm.residual, norm.residual_out
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), out.stride(0),
-        norm_weight, residual if residual is not None else x2, residual_out if residual_out is not None else x2, eps,
+        norm.weight, residual if residual is not None else x2, residual_out if residual_out is not None else x2, norm.eps,
         HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SUM_EACH_SLICE=sum_each_slice, USE_PDL=use_pdl, GATED=gated_input,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_WEIGHT_AHEAD=ahead, num_warps=num_warps, num_stages=num_stages,
+        NORM=with_norm, HAS_RESIDUAL=residual is not None, NORM_WEIGHT_AHEAD=norm.weight_ahead,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_options(use_pdl),
     )

@@ -13,10 +13,9 @@ second kernel), `unfused-kv` (K/V written by their own kernel, not by RoPE's), `
 (all three: the kernels as they were before PDL and the two fusions), `skinny-all` (the
 skinny GEMM for every product of at most 4 tokens, cuBLAS never), `skinny-few=T` (the skinny
 GEMM for every product of at most T tokens, gate_up included, the default rule for more),
-`norm-in-product=T` (the add + RMSNorm
-before qkv and gate_up done inside the skinny GEMM for every product of at most T tokens,
-whatever its K; 0: never), `norm-weight-at-use` (that norm's weight loaded in each slice where it
-is used, not one slice ahead: fewer registers),
+`norm-in-product=T` (the add + RMSNorm before qkv and gate_up done inside the skinny GEMM for
+every product of at most T tokens, whatever its K; 0: never), `norm-weight-at-use` (that norm's
+weight loaded in each slice where it is used, not one slice ahead: fewer registers),
 `skinny-tile=BN,BK,W,S`
 (that tile for every skinny product), `min-split=T` (the decode kernel's shortest split, in
 tiles), `whole-context=T` (the longest context it keeps in one split, in tiles), `late-loads` (the decode kernel
